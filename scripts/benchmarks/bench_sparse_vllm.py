@@ -1,0 +1,308 @@
+"""Sparse-vLLM throughput benchmark: decode/prefill speed of sparse methods against vanilla.
+
+    python scripts/benchmarks/bench_sparse_vllm.py --model_path llama-3.1-8b --methods vanilla \
+        --lengths 4096,32768 --batch_sizes 1,4 --output_len 256 --out_dir bench_out
+
+Each (method, length, batch) case runs in its own process, so an out-of-memory error or a crash
+becomes that case's status and the sweep goes on. Results: <out_dir>/results.jsonl (appended, one
+row per case), summary.md and plot.png (this run's cases). See BENCHMARKS.md for the protocol.
+"""
+import argparse
+import importlib.util
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SRC = os.path.join(os.path.dirname(os.path.dirname(HERE)), "src")
+if importlib.util.find_spec("sparsevllm") is None and os.path.isdir(os.path.join(SRC, "sparsevllm")):
+    sys.path.insert(0, SRC)  # running from a checkout without `pip install`
+sys.path.insert(0, HERE)
+
+import bench_roofline  # noqa: E402
+
+# knobs the benchmark sets itself, per case
+RESERVED_KNOBS = {"model": "--model_path", "vllm_sparse_method": "--methods", "sparse_method": "--methods"}
+BASELINES = ("hf",)
+
+
+def presets_dir() -> str:
+    # found without importing sparsevllm, so --help and bad input stay fast
+    spec = importlib.util.find_spec("sparsevllm")
+    if spec is None:
+        raise ValueError("the sparsevllm package is not importable; pip install it or set PYTHONPATH=src")
+    return os.path.join(list(spec.submodule_search_locations)[0], "presets")
+
+
+def available_presets() -> list[str]:
+    d = presets_dir()
+    return sorted(f[:-5] for f in os.listdir(d) if f.endswith(".json")) if os.path.isdir(d) else []
+
+
+def parse_int_list(flag: str, text: str) -> list[int]:
+    """'4096,32k' -> [4096, 32768]; every entry must be a positive integer."""
+    out = []
+    for item in text.split(","):
+        item = item.strip()
+        try:
+            value = int(item[:-1]) * 1024 if item.lower().endswith("k") else int(item)
+        except ValueError:
+            raise ValueError(f"{flag}: {item!r} is not an integer (use e.g. 4096 or 4k)") from None
+        if value < 1:
+            raise ValueError(f"{flag}: {value} is invalid; every value must be an integer >= 1")
+        out.append(value)
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        description="Sparse-vLLM throughput benchmark: TTFT, prefill and decode tok/s, ITL, memory and the "
+                    "memory-bandwidth roofline per (method, length, batch), each case in its own process.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--model_path", default="tiny",
+                   help="a Hugging Face model folder (config.json + safetensors), or a shipped preset with random "
+                        "weights: llama-3.1-8b, qwen3-8b, qwen3-0.6b (real shapes), tiny (a small Llama for CPU)")
+    p.add_argument("--methods", default="vanilla",
+                   help="comma-separated registered sparse methods; vanilla is the speed-up reference")
+    p.add_argument("--lengths", default="4096", help="comma-separated prompt lengths in tokens (4k = 4096)")
+    p.add_argument("--batch_sizes", default="1", help="comma-separated batch sizes (requests run at once)")
+    p.add_argument("--output_len", type=int, default=256,
+                   help="tokens generated per request (>= 256 for a reported figure, 128 for a quick look)")
+    p.add_argument("--hyper_params", default="{}",
+                   help="JSON object of engine knobs (e.g. gpu_memory_utilization, chunk_prefill_size, page_size) "
+                        "and method knobs (prefixed by the method name, e.g. quest_token_budget); a method knob "
+                        "only goes to its own method's cases")
+    p.add_argument("--out_dir", default="bench_out", help="where results.jsonl, summary.md and plot.png go")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="measured generations per case, each with fresh prompts; the median is reported")
+    p.add_argument("--enforce_eager", action="store_true", help="decode without CUDA graphs")
+    p.add_argument("--baseline", choices=BASELINES, default=None,
+                   help="also run Hugging Face transformers generate (SDPA, random weights, same prompts) as "
+                        "method 'hf'")
+    p.add_argument("--hbm_bw", type=float, default=bench_roofline.DEFAULT_HBM_BW,
+                   help="memory bandwidth in bytes/s for the roofline (default: the H200 copy rate)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the synthetic prompts")
+    p.add_argument("--case_timeout", type=float, default=3600.0,
+                   help="seconds after which a case's process is killed and recorded as failed")
+    p.add_argument("--_run_case", help=argparse.SUPPRESS)
+    return p
+
+
+def load_model_config(model_path: str) -> tuple[dict, bool]:
+    """(config.json dict, is_preset). A preset wins over a folder of the same name only if no such
+    folder exists."""
+    if os.path.isdir(model_path):
+        cfg_path = os.path.join(model_path, "config.json")
+        if not os.path.isfile(cfg_path):
+            raise ValueError(f"--model_path {model_path!r} is a folder without config.json")
+        with open(cfg_path) as f:
+            return json.load(f), False
+    presets = available_presets()
+    if model_path in presets:
+        with open(os.path.join(presets_dir(), model_path + ".json")) as f:
+            return json.load(f), True
+    raise ValueError(f"--model_path {model_path!r} is neither a model folder nor a preset; "
+                     f"presets: {', '.join(presets)}")
+
+
+def validate(args) -> dict:
+    """Every check that can fail before a model loads; returns the sweep plan. Knob validation goes
+    through sparsevllm.config.make_config, which builds the config without loading anything."""
+    lengths = parse_int_list("--lengths", args.lengths)
+    batches = parse_int_list("--batch_sizes", args.batch_sizes)
+    if args.output_len < 1:
+        raise ValueError(f"--output_len {args.output_len} is invalid; it must be >= 1")
+    if args.repeat < 1:
+        raise ValueError(f"--repeat {args.repeat} is invalid; it must be >= 1")
+    if args.hbm_bw <= 0:
+        raise ValueError(f"--hbm_bw {args.hbm_bw} is invalid; it must be a positive bytes/s figure")
+    try:
+        knobs = json.loads(args.hyper_params)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--hyper_params is not valid JSON ({e}): {args.hyper_params!r}") from None
+    if not isinstance(knobs, dict):
+        raise ValueError(f"--hyper_params must be a JSON object of knob: value, got {type(knobs).__name__}")
+    for key, flag in RESERVED_KNOBS.items():
+        if key in knobs:
+            raise ValueError(f"--hyper_params must not set {key!r}; use {flag}")
+    if args.enforce_eager:
+        knobs["enforce_eager"] = True
+    model_cfg, is_preset = load_model_config(args.model_path)
+    if is_preset:
+        if knobs.get("load_format", "dummy") != "dummy":
+            raise ValueError(f"preset {args.model_path!r} has no weights; load_format must be 'dummy'")
+        knobs["load_format"] = "dummy"
+
+    from sparsevllm.config import make_config
+    from sparsevllm.method_registry import available_methods, method_knob_owners
+
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    registered = available_methods()
+    for m in methods:
+        if m not in registered:
+            raise ValueError(f"--methods: unknown method {m!r}; registered methods: {', '.join(registered)}")
+    if not methods and not args.baseline:
+        raise ValueError("--methods is empty and no --baseline is given: nothing to run")
+    owners = method_knob_owners()
+    for key in knobs:
+        if key in owners and owners[key] not in methods:
+            raise ValueError(f"--hyper_params: knob {key!r} belongs to method {owners[key]!r}, "
+                             f"which is not in --methods ({', '.join(methods)})")
+    per_method = {}
+    for m in methods:
+        # engine knobs (and unknown ones, which make_config rejects) go to every method
+        per_method[m] = {k: v for k, v in knobs.items() if owners.get(k, m) == m}
+        make_config(model=None if is_preset else args.model_path, vllm_sparse_method=m, **per_method[m])
+
+    max_len = knobs.get("max_model_len") or model_cfg.get("max_position_embeddings")
+    if max_len and max(lengths) + args.output_len > max_len:
+        raise ValueError(f"--lengths: {max(lengths)} + --output_len {args.output_len} tokens exceed the model's "
+                         f"max length {max_len} (max_model_len / max_position_embeddings)")
+    ordered = sorted(methods, key=lambda m: m != "vanilla") + ([args.baseline] if args.baseline else [])
+    return {"lengths": lengths, "batches": batches, "methods": ordered, "knobs": per_method,
+            "model_config": model_cfg, "is_preset": is_preset}
+
+
+def model_dir(args, plan: dict) -> str:
+    """A preset becomes a folder holding only its config.json (the engine loads it with dummy weights)."""
+    if not plan["is_preset"]:
+        return os.path.abspath(args.model_path)
+    d = os.path.abspath(os.path.join(args.out_dir, "models", args.model_path))
+    os.makedirs(d, exist_ok=True)
+    with open(os.path.join(d, "config.json"), "w") as f:
+        json.dump(plan["model_config"], f, indent=2)
+    return d
+
+
+def run_case_process(case: dict, out_dir: str, timeout: float) -> dict:
+    """Run one case in a fresh interpreter; a crash, kill or timeout becomes a status, never an exception."""
+    name = f"{case['method']}_L{case['length']}_B{case['batch']}_{case['run_id']}"
+    os.makedirs(os.path.join(out_dir, "cases"), exist_ok=True)
+    os.makedirs(os.path.join(out_dir, "logs"), exist_ok=True)
+    case_path = os.path.join(out_dir, "cases", name + ".json")
+    case["result_path"] = os.path.join(out_dir, "cases", name + ".result.json")
+    log_path = os.path.join(out_dir, "logs", name + ".log")
+    with open(case_path, "w") as f:
+        json.dump(case, f)
+    env = dict(os.environ)
+    if SRC in sys.path:  # the child must import the same sparsevllm as this process
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [SRC, env.get("PYTHONPATH")]))
+    with open(log_path, "w") as log:
+        try:
+            proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--_run_case", case_path],
+                                  stdout=log, stderr=subprocess.STDOUT, env=env, timeout=timeout)
+            rc = proc.returncode
+        except subprocess.TimeoutExpired:
+            rc = None
+    result = {"log": log_path}
+    if os.path.isfile(case["result_path"]):
+        with open(case["result_path"]) as f:
+            result.update(json.load(f))
+        return result
+    with open(log_path, errors="replace") as f:
+        tail = " | ".join(f.read().strip().splitlines()[-5:])
+    if rc is None:
+        result.update(status="failed", error=f"timed out after {timeout:.0f} s (--case_timeout)")
+    elif rc == -9:
+        result.update(status="oom", error=f"killed by SIGKILL (likely the host out-of-memory killer): {tail}")
+    else:
+        result.update(status="failed", error=f"process exited with code {rc}: {tail}")
+    return result
+
+
+def _dtype_bytes(name: str | None) -> int:
+    return 4 if name in (None, "float32", "torch.float32") else 2
+
+
+def make_row(case: dict, result: dict, args) -> dict:
+    row = {k: case[k] for k in ("run_id", "method", "length", "batch", "output_len", "repeat", "seed")}
+    row.update(status=result.get("status"), error=result.get("error"))
+    row.update({k: v for k, v in result.items() if k not in row})
+    knobs = case.get("engine_kwargs", {})
+    roof = bench_roofline.roofline(case["model_config"], _dtype_bytes(result.get("dtype")), case["method"],
+                                   knobs, case["batch"], case["length"], case["output_len"], args.hbm_bw)
+    row.update(roof)
+    dec = row.get("decode_tok_s")
+    row["roofline_fraction"] = dec / roof["roofline_tok_s"] if dec else None
+    row.update(model_path=args.model_path, engine_kwargs=knobs, model_config=case["model_config"],
+               command=" ".join(shlex.quote(a) for a in sys.argv))
+    return row
+
+
+def _case_line(row: dict) -> str:
+    head = f"{row['method']:>10} L={row['length']:<7} B={row['batch']:<4}"
+    if row["status"] != "ok":
+        return f"{head} {row['status'].upper()}: {row.get('error')}"
+    dec, frac = row.get("decode_tok_s"), row.get("roofline_fraction")
+    dec_s = f"{dec:,.1f}" if dec else "-"
+    frac_s = f"{frac:.1%}" if frac is not None else "-"
+    return (f"{head} decode {dec_s} tok/s, roofline {row['roofline_tok_s']:,.1f} tok/s ({frac_s}), "
+            f"prefill {row.get('prefill_tok_s') or 0:,.0f} tok/s, TTFT {row.get('ttft_mean_s', 0) * 1e3:,.1f} ms, "
+            f"{row.get('execution_mode')}")
+
+
+def run_sweep(args, plan: dict) -> list[dict]:
+    from tqdm import tqdm
+
+    import bench_report
+
+    os.makedirs(args.out_dir, exist_ok=True)
+    mdir = model_dir(args, plan)
+    run_id = time.strftime("%Y%m%d-%H%M%S")
+    cases = []
+    for length in plan["lengths"]:
+        for batch in plan["batches"]:
+            for method in plan["methods"]:
+                kwargs = dict(plan["knobs"].get(method, {}))
+                if method != "hf":
+                    kwargs.setdefault("max_num_seqs", batch)  # every request admitted at once, graphs sized to it
+                cases.append({"run_id": run_id, "method": method, "length": length, "batch": batch,
+                              "output_len": args.output_len, "repeat": args.repeat, "seed": args.seed,
+                              "model_dir": mdir, "model_config": plan["model_config"], "engine_kwargs": kwargs,
+                              "kv_tokens_stored": bench_roofline.kv_tokens_stored(method, kwargs, length,
+                                                                                  args.output_len)})
+    rows = []
+    jsonl = os.path.join(args.out_dir, "results.jsonl")
+    bar = tqdm(cases, desc="cases", unit="case")
+    for case in bar:
+        bar.set_postfix_str(f"{case['method']} L={case['length']} B={case['batch']}")
+        row = make_row(case, run_case_process(case, args.out_dir, args.case_timeout), args)
+        rows.append(row)
+        bench_report.add_speedups(rows)  # vanilla runs first in each (length, batch) group
+        with open(jsonl, "a") as f:
+            f.write(json.dumps(row) + "\n")
+        bar.write(_case_line(row))
+    env = next((r["environment"] for r in rows if r.get("environment")), {})
+    header = {"run": run_id, "model": args.model_path, "gpu": env.get("gpu") or "none (CPU)",
+              "dtype": next((r.get("dtype") for r in rows if r.get("dtype")), "-"),
+              "output_len": args.output_len, "repeat": args.repeat, "enforce_eager": args.enforce_eager,
+              "hyper_params": args.hyper_params, "hbm_bw (B/s)": f"{args.hbm_bw:.3g}",
+              "versions": ", ".join(f"{k} {env.get(k)}" for k in ("torch", "triton", "transformers", "sparsevllm")),
+              "command": f"`{rows[0]['command']}`" if rows else "-"}
+    with open(os.path.join(args.out_dir, "summary.md"), "w") as f:
+        f.write(bench_report.summary_markdown(rows, header))
+    bench_report.plot(rows, os.path.join(args.out_dir, "plot.png"),
+                      f"{args.model_path}, output_len {args.output_len}, {header['gpu']}")
+    print(f"wrote {jsonl}, {os.path.join(args.out_dir, 'summary.md')}, {os.path.join(args.out_dir, 'plot.png')}")
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args._run_case:
+        import bench_case
+        return bench_case.run_case_file(args._run_case)
+    try:
+        plan = validate(args)
+    except (ValueError, TypeError) as e:
+        parser.error(str(e))  # exits with status 2 before anything loads
+    run_sweep(args, plan)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

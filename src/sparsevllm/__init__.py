@@ -1,0 +1,13 @@
+"""Sparse-vLLM: a sparse-first LLM inference engine for long-context serving."""
+import os as _os
+
+# Tokenizers' thread pool deadlocks with forked benchmark/harness workers; the engine needs no
+# tokenizer parallelism.
+_os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from sparsevllm.llm import LLM  # noqa: E402
+from sparsevllm.method_registry import available_methods  # noqa: E402
+from sparsevllm.sampling_params import SamplingParams  # noqa: E402
+
+__all__ = ["LLM", "SamplingParams", "available_methods"]
+__version__ = "0.1.0"

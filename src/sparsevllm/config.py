@@ -1,0 +1,102 @@
+"""Engine knobs and method-knob parsing.
+
+Every knob is a flat keyword argument of LLM(...). Engine knobs live in EngineConfig; each method
+knob belongs to exactly one method's config dataclass (a MethodConfig subclass), prefixed with the
+method name (quest_token_budget). `make_config` validates everything without loading a model, so the
+benchmark and the harness can reject bad input before any weights move.
+"""
+import difflib
+from dataclasses import dataclass, field, fields
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEVICES = ("auto", "cpu", "cuda")
+LOAD_FORMATS = ("auto", "dummy")
+
+
+@dataclass
+class MethodConfig:
+    """Base of a method's knob dataclass. Subclasses add fields named `<method>_<knob>`."""
+
+    @classmethod
+    def knob_names(cls) -> list[str]:
+        return [f.name for f in fields(cls)]
+
+    def validate(self) -> None:
+        """Raise ValueError naming the knob and its valid range."""
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None
+    vllm_sparse_method: str = "vanilla"
+    dtype: str = "auto"
+    device: str = "auto"
+    page_size: int = 16
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 8192
+    chunk_prefill_size: int = 4096
+    max_model_len: int | None = None
+    gpu_memory_utilization: float = 0.9
+    cpu_kv_cache_gb: float = 2.0
+    num_kv_pages: int | None = None
+    enforce_eager: bool = False
+    load_format: str = "auto"
+    enable_prefix_caching: bool = True
+    seed: int = 0
+    tensor_parallel_size: int = 1
+    method_config: MethodConfig = field(default_factory=MethodConfig, repr=False)
+
+    def validate(self) -> None:
+        def need(ok, knob, valid):
+            if not ok:
+                raise ValueError(f"{knob}={getattr(self, knob)!r} is invalid; valid: {valid}")
+        need(self.dtype in DTYPES, "dtype", " | ".join(DTYPES))
+        need(self.device in DEVICES, "device", " | ".join(DEVICES))
+        need(self.load_format in LOAD_FORMATS, "load_format", " | ".join(LOAD_FORMATS))
+        p = self.page_size
+        need(isinstance(p, int) and p >= 1 and p & (p - 1) == 0, "page_size", "a power of two >= 1")
+        for knob in ("max_num_seqs", "max_num_batched_tokens", "chunk_prefill_size"):
+            need(isinstance(getattr(self, knob), int) and getattr(self, knob) >= 1, knob, "an integer >= 1")
+        need(self.max_model_len is None or (isinstance(self.max_model_len, int) and self.max_model_len >= 2),
+             "max_model_len", "None (the model's context) or an integer >= 2")
+        need(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization", "a fraction in (0, 1]")
+        need(self.cpu_kv_cache_gb > 0, "cpu_kv_cache_gb", "a positive number of GiB")
+        need(self.num_kv_pages is None or (isinstance(self.num_kv_pages, int) and self.num_kv_pages >= 1),
+             "num_kv_pages", "None (sized from memory) or an integer >= 1")
+        need(self.tensor_parallel_size == 1, "tensor_parallel_size", "1 (tensor parallelism is not implemented yet)")
+        self.method_config.validate()
+
+
+ENGINE_KNOBS = [f.name for f in fields(EngineConfig) if f.name not in ("model", "vllm_sparse_method", "method_config")]
+
+
+def make_config(model: str | None = None, vllm_sparse_method: str = "vanilla", **knobs) -> EngineConfig:
+    """Split flat knobs into engine and method config and validate both; loads nothing."""
+    from sparsevllm.method_registry import get_method, method_knob_owners
+
+    if "sparse_method" in knobs:
+        alias = knobs.pop("sparse_method")
+        if vllm_sparse_method not in ("vanilla", alias):
+            raise ValueError(f"vllm_sparse_method={vllm_sparse_method!r} and sparse_method={alias!r} disagree")
+        vllm_sparse_method = alias
+    method_cls = get_method(vllm_sparse_method)
+    own = set(method_cls.config_cls.knob_names())
+    owners = method_knob_owners()
+    engine_kw, method_kw = {}, {}
+    for key, value in knobs.items():
+        if key in ENGINE_KNOBS:
+            engine_kw[key] = value
+        elif key in own:
+            method_kw[key] = value
+        elif key in owners:
+            raise ValueError(f"knob {key!r} belongs to method {owners[key]!r}, "
+                             f"but vllm_sparse_method={vllm_sparse_method!r}")
+        else:
+            known = ENGINE_KNOBS + sorted(owners)
+            close = difflib.get_close_matches(key, known, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else f"; valid knobs: {', '.join(known)}"
+            raise ValueError(f"unknown knob {key!r}{hint}")
+    cfg = EngineConfig(model=model, vllm_sparse_method=vllm_sparse_method,
+                       method_config=method_cls.config_cls(**method_kw), **engine_kw)
+    cfg.validate()
+    return cfg

@@ -1,0 +1,108 @@
+"""Continuous batching with chunked prefill, admission through the cache manager and preemption by
+recompute. A step is either a prefill step (chunks of one or more prompts) or a decode step (one
+token for every running request). The scheduler never reads KV; it asks the cache manager."""
+import logging
+from collections import deque
+from dataclasses import dataclass
+
+from sparsevllm.config import EngineConfig
+from sparsevllm.engine.sequence import Sequence, SequenceStatus
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ScheduledBatch:
+    seqs: list[Sequence]
+    num_tokens: list[int]
+    is_prefill: bool
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, cache_manager):
+        self.config = config
+        self.cm = cache_manager
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> ScheduledBatch:
+        batch = self._schedule_prefill()
+        if batch.seqs:
+            return batch
+        return self._schedule_decode()
+
+    def _schedule_prefill(self) -> ScheduledBatch:
+        cfg, budget = self.config, self.config.max_num_batched_tokens
+        seqs, num_tokens = [], []
+
+        def take(seq: Sequence) -> bool:
+            nonlocal budget
+            n = self.cm.chunk_size(seq, min(cfg.chunk_prefill_size, budget))
+            if n <= 0 or not self.cm.reserve(seq, n):
+                return False
+            seqs.append(seq)
+            num_tokens.append(n)
+            budget -= n
+            return True
+
+        # Requests part-way through their prompt go first, in admission order.
+        for seq in list(self.running):
+            if budget <= 0:
+                break
+            if seq.in_prefill and not take(seq):
+                # Decode growth of others took the pages this prompt was admitted with: recompute it later.
+                self.preempt(seq)
+                break
+        while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
+            seq = self.waiting[0]
+            if not self.cm.can_admit(seq):
+                break
+            self.cm.allocate(seq)
+            if seq.num_uncomputed_tokens == 0:
+                break
+            if not take(seq):
+                self.cm.free(seq)
+                break
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+        return ScheduledBatch(seqs, num_tokens, True)
+
+    def _schedule_decode(self) -> ScheduledBatch:
+        scheduled = []
+        for seq in list(self.running):
+            if seq.status != SequenceStatus.RUNNING or seq.in_prefill:
+                continue  # preempted below while making room for an earlier request, or still prefilling
+            while not self.cm.reserve(seq, 1):
+                victim = self.running[-1]
+                self.preempt(victim)
+                if victim is seq:
+                    break
+            else:
+                scheduled.append(seq)
+        return ScheduledBatch(scheduled, [1] * len(scheduled), False)
+
+    def preempt(self, seq: Sequence) -> None:
+        """Free a request's KV and send it back to the front of the queue; it will be recomputed
+        from its tokens (prompt + what it generated so far), so its output does not change."""
+        logger.info("preempting request %d (out of KV pages)", seq.seq_id)
+        self.num_preemptions += 1
+        self.running.remove(seq)
+        self.cm.free(seq)
+        seq.num_computed_tokens = seq.cache_len = 0
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        if seq in self.running:
+            self.running.remove(seq)
+        self.cm.free(seq)

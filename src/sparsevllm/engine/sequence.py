@@ -1,0 +1,64 @@
+"""One request's state. It knows tokens and counters, never pages (the cache manager owns those)."""
+import itertools
+from enum import Enum, auto
+
+from sparsevllm.sampling_params import SamplingParams
+
+
+class SequenceStatus(Enum):
+    WAITING = auto()
+    RUNNING = auto()
+    FINISHED = auto()
+
+
+class Sequence:
+    _ids = itertools.count()
+
+    def __init__(self, token_ids: list[int], params: SamplingParams, arrival_time: float = 0.0):
+        self.seq_id = next(Sequence._ids)
+        self.status = SequenceStatus.WAITING
+        self.token_ids = list(token_ids)
+        self.num_prompt_tokens = len(token_ids)
+        self.params = params
+        # Tokens whose K/V have been computed: the RoPE position of the next input token. It is the
+        # logical length and never shrinks except when the request is preempted (recomputed).
+        self.num_computed_tokens = 0
+        # Tokens whose K/V are stored for this request. Equal to the logical length unless the method
+        # evicts (SnapKV); the cache manager moves it.
+        self.cache_len = 0
+        self.finish_reason: str | None = None
+        self.error: str | None = None
+        self.arrival_time = arrival_time
+        self.first_token_time: float | None = None
+        self.token_times: list[float] = []
+        # Teacher forcing (fidelity measurements): tokens fed instead of sampled ones, and the
+        # log-probabilities collected at each step when asked.
+        self.forced_token_ids: list[int] | None = None
+        self.logprobs: list | None = None
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def completion_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def in_prefill(self) -> bool:
+        # More than one token waits for its K/V: the request is (re)filling its prompt.
+        return self.num_uncomputed_tokens > 1 or self.num_computed_tokens == 0
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)

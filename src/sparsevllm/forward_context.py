@@ -1,0 +1,26 @@
+"""The one module-global of the forward pass: the current step and the cache manager serving it.
+
+Attention layers sit deep inside model code that must not know about steps or methods, so they
+read the step here instead of receiving it as an argument. The SparseController sets and clears it.
+"""
+from dataclasses import dataclass
+
+
+@dataclass
+class ForwardContext:
+    step: object            # StepState
+    cache_manager: object   # CacheManager
+    controller: object      # SparseController
+
+
+_context: ForwardContext | None = None
+
+
+def set_forward_context(ctx: ForwardContext | None) -> None:
+    global _context
+    _context = ctx
+
+
+def get_forward_context() -> ForwardContext:
+    assert _context is not None, "attention ran outside an engine step"
+    return _context

@@ -1,0 +1,204 @@
+"""Decode attention over a DecodeView.
+
+A decode view is (table[B, G, N] int32, lengths[B, G] int32, page_size): row (b, g) attends to the
+tokens of pages table[b, g, :ceil(len / P)], the last page possibly partial. G is 1 (one token set
+shared by every KV head) or H_kv (a set per KV head). Token-wise selection is the case P = 1.
+
+The Triton path is split-K flash-decoding: one program per (request, KV head, split) holds every
+query head of the KV group as the rows of one tl.dot (padded to 16 rows so the tensor cores take
+it), walks its share of the row's tokens with an online softmax and writes a partial output and
+its log-sum-exp; a second small kernel merges the splits. The split count depends only on static
+shapes (B, H_kv, N, P), never on the lengths, so a CUDA graph captured per batch bucket replays
+correctly for any lengths: each row divides its own length over the splits in-kernel, and splits
+left empty write lse = -inf which the merge ignores.
+"""
+import functools
+
+import torch
+
+from sparsevllm.kernels.common import dot_precision, jit, pow2, tl, upcast_loads, use_triton
+
+BLOCK_N = 64        # tokens per inner step
+NUM_WARPS = 4
+NUM_STAGES = 2
+MIN_SPLIT_TOKENS = 256  # below this a split's fixed cost outweighs the parallelism it buys
+
+
+def decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         table: torch.Tensor, lengths: torch.Tensor, page_size: int,
+                         scale: float) -> torch.Tensor:
+    """q: [B, H_q, D]; k_cache, v_cache: [num_slots, H_kv, D] -> out [B, H_q, D] in q's dtype."""
+    B, Hq, D = q.shape
+    Hkv = k_cache.shape[1]
+    G, N = table.shape[1], table.shape[2]
+    assert G in (1, Hkv), f"decode view G={G} must be 1 or num_kv_heads={Hkv}"
+    P = page_size
+    T = N * P
+    offs = torch.arange(T, device=q.device)
+    # Slots of every candidate token; padded table entries point at page 0 and are masked below.
+    slots = (table.long().unsqueeze(-1) * P + torch.arange(P, device=q.device)).reshape(B, G, T)
+    valid = offs.view(1, 1, T) < lengths.long().unsqueeze(-1)              # [B, G, T]
+    if G == 1:
+        k = k_cache[slots[:, 0]].transpose(1, 2)                          # [B, H_kv, T, D]
+        v = v_cache[slots[:, 0]].transpose(1, 2)
+        valid = valid.expand(B, Hkv, T)
+    else:
+        heads = torch.arange(Hkv, device=q.device).view(1, Hkv, 1)
+        k = k_cache[slots, heads]                                         # [B, H_kv, T, D]
+        v = v_cache[slots, heads]
+    qg = q.float().view(B, Hkv, Hq // Hkv, D)
+    scores = torch.einsum("bhgd,bhtd->bhgt", qg, k.float()) * scale
+    scores = scores.masked_fill(~valid.unsqueeze(2), float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.einsum("bhgt,bhtd->bhgd", probs, v.float())
+    return out.reshape(B, Hq, D).to(q.dtype)
+
+
+@jit
+def _decode_split_kernel(
+        q_ptr, k_ptr, v_ptr, table_ptr, len_ptr, mid_o_ptr, mid_lse_ptr, qk_scale,
+        stride_qb, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh,
+        stride_tb, stride_tg, stride_lb, stride_lg,
+        stride_ob, stride_oh, stride_os, stride_lseb, stride_lseh,
+        QG: tl.constexpr, P: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+        BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+        UPCAST: tl.constexpr, DOT_PREC: tl.constexpr):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    split = tl.program_id(2)
+    # stride_tg / stride_lg are 0 when G == 1: every KV head reads the same token set.
+    length = tl.load(len_ptr + b * stride_lb + h * stride_lg)
+    per_split = tl.cdiv(tl.cdiv(length, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = split * per_split
+    end = tl.minimum(start + per_split, length)
+
+    rows = tl.arange(0, BLOCK_H)
+    dims = tl.arange(0, BLOCK_D)
+    row_ok = rows < QG
+    dim_ok = dims < HEAD_DIM
+    heads = h * QG + rows
+    lse_ptrs = mid_lse_ptr + b * stride_lseb + heads * stride_lseh + split
+    o_ptrs = (mid_o_ptr + b * stride_ob + heads[:, None] * stride_oh + split * stride_os
+              + dims[None, :])
+    if start >= end:  # a split past this row's length: contributes nothing to the merge
+        tl.store(lse_ptrs, tl.full([BLOCK_H], float("-inf"), tl.float32), mask=row_ok)
+        tl.store(o_ptrs, tl.zeros([BLOCK_H, BLOCK_D], tl.float32), mask=row_ok[:, None] & dim_ok[None, :])
+        return
+
+    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + dims[None, :],
+                mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    table_row = table_ptr + b * stride_tb + h * stride_tg
+    for t0 in range(start, end, BLOCK_N):
+        toks = t0 + tl.arange(0, BLOCK_N)
+        tok_ok = toks < end
+        page = tl.load(table_row + toks // P, mask=tok_ok, other=0)
+        # int64 before the stride multiply: slot * stride overflows int32 on large pools.
+        slot = page.to(tl.int64) * P + toks % P
+        kv_mask = tok_ok[:, None] & dim_ok[None, :]
+        k = tl.load(k_ptr + slot[:, None] * stride_ks + h * stride_kh + dims[None, :],
+                    mask=kv_mask, other=0.0)
+        v = tl.load(v_ptr + slot[:, None] * stride_vs + h * stride_vh + dims[None, :],
+                    mask=kv_mask, other=0.0)
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale   # log2 domain
+        s = tl.where(tok_ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+        m_i = m_new
+    tl.store(lse_ptrs, m_i + tl.log2(l_i), mask=row_ok)
+    tl.store(o_ptrs, acc / l_i[:, None], mask=row_ok[:, None] & dim_ok[None, :])
+
+
+@jit
+def _decode_merge_kernel(mid_o_ptr, mid_lse_ptr, out_ptr,
+                         stride_ob, stride_oh, stride_os, stride_lseb, stride_lseh,
+                         stride_outb, stride_outh,
+                         NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+                         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    splits = tl.arange(0, BLOCK_S)
+    dims = tl.arange(0, BLOCK_D)
+    split_ok = splits < NUM_SPLITS
+    lse = tl.load(mid_lse_ptr + b * stride_lseb + h * stride_lseh + splits, mask=split_ok,
+                  other=float("-inf"))
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)   # empty row (length 0): output zeros, not NaN
+    w = tl.exp2(lse - m)
+    o = tl.load(mid_o_ptr + b * stride_ob + h * stride_oh + splits[:, None] * stride_os + dims[None, :],
+                mask=split_ok[:, None] & (dims[None, :] < HEAD_DIM), other=0.0)
+    total = tl.sum(w, 0)
+    out = tl.sum(o * w[:, None], 0) / tl.where(total > 0, total, 1.0)
+    tl.store(out_ptr + b * stride_outb + h * stride_outh + dims,
+             out.to(out_ptr.dtype.element_ty), mask=dims < HEAD_DIM)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def num_splits(batch: int, num_kv_heads: int, table_width: int, page_size: int,
+               device: torch.device) -> int:
+    """Splits per row: enough programs for ~4 per SM, no split shorter than MIN_SPLIT_TOKENS.
+
+    A function of static shapes only, so a captured graph's split count is right for any lengths.
+    """
+    sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device()) \
+        if device.type == "cuda" else 4
+    want = -(-4 * sms // max(1, batch * num_kv_heads))
+    cap = max(1, table_width * page_size // MIN_SPLIT_TOKENS)
+    return int(max(1, min(want, cap, 128)))
+
+
+def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            table: torch.Tensor, lengths: torch.Tensor, page_size: int,
+                            scale: float) -> torch.Tensor:
+    """Same contract as decode_attention_ref."""
+    B, Hq, D = q.shape
+    Hkv = k_cache.shape[1]
+    G, N = table.shape[1], table.shape[2]
+    assert G in (1, Hkv), f"decode view G={G} must be 1 or num_kv_heads={Hkv}"
+    assert Hq % Hkv == 0 and lengths.shape == (B, G)
+    assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
+    assert table.stride(-1) == 1
+    P = int(page_size)
+    QG = Hq // Hkv
+    S = num_splits(B, Hkv, N, P, q.device)
+    mid_o = torch.empty(B, Hq, S, D, dtype=torch.float32, device=q.device)
+    mid_lse = torch.empty(B, Hq, S, dtype=torch.float32, device=q.device)
+    out = torch.empty_like(q)
+    upcast = upcast_loads(q.dtype)
+    stride_tg = table.stride(1) if G > 1 else 0
+    stride_lg = lengths.stride(1) if G > 1 else 0
+    BLOCK_D = pow2(D)
+    _decode_split_kernel[(B, Hkv, S)](
+        q, k_cache, v_cache, table, lengths, mid_o, mid_lse, scale * 1.4426950408889634,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
+        v_cache.stride(0), v_cache.stride(1),
+        table.stride(0), stride_tg, lengths.stride(0), stride_lg,
+        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
+        QG=QG, P=P, HEAD_DIM=D, BLOCK_D=BLOCK_D, BLOCK_H=max(16, pow2(QG)), BLOCK_N=BLOCK_N,
+        NUM_SPLITS=S, UPCAST=upcast, DOT_PREC=dot_precision(q.dtype),
+        num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+    _decode_merge_kernel[(B, Hq)](
+        mid_o, mid_lse, out, mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
+        mid_lse.stride(0), mid_lse.stride(1), out.stride(0), out.stride(1),
+        NUM_SPLITS=S, BLOCK_S=pow2(S), HEAD_DIM=D, BLOCK_D=BLOCK_D, num_warps=4)
+    return out
+
+
+def decode_attention(q, k_cache, v_cache, table, lengths, page_size, scale):
+    if use_triton(q):
+        return decode_attention_triton(q, k_cache, v_cache, table, lengths, page_size, scale)
+    return decode_attention_ref(q, k_cache, v_cache, table, lengths, page_size, scale)

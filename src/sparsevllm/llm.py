@@ -1,0 +1,76 @@
+"""The vLLM-shaped facade: LLM(model, vllm_sparse_method=..., **knobs).generate(prompts, params)."""
+import logging
+
+import torch
+
+from sparsevllm.config import make_config
+from sparsevllm.engine.llm_engine import LLMEngine
+from sparsevllm.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class LLM:
+    def __init__(self, model: str | None = None, vllm_sparse_method: str = "vanilla", **knobs):
+        self.config = make_config(model, vllm_sparse_method, **knobs)
+        self.engine = LLMEngine(self.config)
+        self.tokenizer = self.engine.tokenizer
+        self.hf_config = self.engine.model_config
+
+    @property
+    def execution_mode(self) -> str:
+        return self.engine.model_runner.execution_mode
+
+    def memory_accounting(self) -> dict:
+        return self.engine.cache_manager.memory_accounting()
+
+    @staticmethod
+    def _as_list(prompts) -> list:
+        if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts
+                                        and all(isinstance(t, int) for t in prompts)):
+            return [prompts]
+        if not isinstance(prompts, (list, tuple)):
+            raise TypeError(f"prompts must be a string, a token-id list, or a list of those; got "
+                            f"{type(prompts).__name__}")
+        return list(prompts)
+
+    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[dict]:
+        prompts = self._as_list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
+        seqs = [self.engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+        self.engine.run(seqs, use_tqdm)
+        return [self.engine.output(s) for s in seqs]
+
+    def chat(self, messages, sampling_params=None, use_tqdm: bool = True) -> list[dict]:
+        """messages: one conversation (a list of {"role", "content"} dicts) or a list of them."""
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("this model's tokenizer has no chat template; use generate() with a plain prompt")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=False)
+                   for c in conversations]
+        prompts = [self.tokenizer.encode(p, add_special_tokens=False) for p in prompts]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def teacher_forced_logprobs(self, prompts, continuations: list[list[int]],
+                                use_tqdm: bool = True) -> list[torch.Tensor]:
+        """Feed each continuation through the method's real decode path and return, per prompt, a
+        float32 [len(continuation), vocab] tensor of log-probabilities; row i predicts continuation[i]."""
+        prompts = self._as_list(prompts)
+        if len(continuations) != len(prompts) or any(len(c) < 1 for c in continuations):
+            raise ValueError("teacher_forced_logprobs needs one non-empty continuation per prompt")
+        seqs = []
+        for prompt, cont in zip(prompts, continuations):
+            sp = SamplingParams(temperature=0.0, max_tokens=len(cont), ignore_eos=True)
+            seq = self.engine.add_request(prompt, sp)
+            seq.forced_token_ids, seq.logprobs = list(cont), []
+            seqs.append(seq)
+        self.engine.run(seqs, use_tqdm, desc="teacher forcing")
+        for s in seqs:
+            if s.error:
+                raise ValueError(f"teacher forcing failed: {s.error}")
+        return [torch.stack(s.logprobs) for s in seqs]

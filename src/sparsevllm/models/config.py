@@ -1,0 +1,57 @@
+"""The few fields of a Hugging Face config.json the engine needs, read from the JSON itself so any
+transformers version (rope_theta/rope_scaling or the newer rope_parameters) works."""
+import json
+import os
+from dataclasses import dataclass
+
+
+@dataclass
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    eos_token_id: list[int]
+    raw: dict
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ModelConfig":
+        archs = d.get("architectures") or [d.get("model_type", "?")]
+        heads = d["num_attention_heads"]
+        rope = dict(d.get("rope_parameters") or {})
+        scaling = d.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+        theta = d.get("rope_theta", rope.get("rope_theta", 10000.0))
+        eos = d.get("eos_token_id")
+        eos = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+        return cls(
+            architecture=archs[0], vocab_size=d["vocab_size"], hidden_size=d["hidden_size"],
+            intermediate_size=d["intermediate_size"], num_hidden_layers=d["num_hidden_layers"],
+            num_attention_heads=heads, num_key_value_heads=d.get("num_key_value_heads") or heads,
+            head_dim=d.get("head_dim") or d["hidden_size"] // heads, rms_norm_eps=d.get("rms_norm_eps", 1e-6),
+            rope_theta=float(theta), rope_scaling=scaling,
+            max_position_embeddings=d.get("max_position_embeddings", 4096),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            attention_bias=bool(d.get("attention_bias", False)), eos_token_id=eos, raw=d)
+
+    @classmethod
+    def from_folder(cls, path: str) -> "ModelConfig":
+        cfg_path = os.path.join(path, "config.json")
+        if not os.path.isfile(cfg_path):
+            raise ValueError(f"model folder {path!r} has no readable config.json (expected a Hugging Face "
+                             "model folder, or model=None / 'smollm2-135m' for the embedded default model)")
+        try:
+            with open(cfg_path) as f:
+                d = json.load(f)
+        except (OSError, json.JSONDecodeError) as e:
+            raise ValueError(f"cannot read {cfg_path}: {e}") from e
+        return cls.from_dict(d)

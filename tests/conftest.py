@@ -1,0 +1,60 @@
+import os
+
+import pytest
+import torch
+
+# Triton's interpreter is chosen when kernels are decorated, so it must be on before anything imports
+# them; without CUDA it is the only way Triton kernels run.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+ARCHS = {
+    "llama": dict(cls="LlamaConfig", extra=dict(tie_word_embeddings=False)),
+    "llama_tied": dict(cls="LlamaConfig", extra=dict(tie_word_embeddings=True)),
+    "qwen2": dict(cls="Qwen2Config", extra=dict(tie_word_embeddings=False)),
+    "qwen3": dict(cls="Qwen3Config", extra=dict(tie_word_embeddings=False, head_dim=16)),
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+def make_tiny_model(path, arch: str = "llama", seed: int = 0, **overrides):
+    """A tiny random Hugging Face model saved as safetensors. A large initializer_range keeps the
+    logits far from ties, so greedy decoding is a sharp test of numerical equality."""
+    import transformers
+    spec = ARCHS[arch]
+    kw = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+              initializer_range=0.2, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2)
+    kw.update(spec["extra"])
+    kw.update(overrides)
+    config = getattr(transformers, spec["cls"])(**kw)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if arch == "qwen2":  # HF initialises biases to zero; make them matter
+        with torch.no_grad():
+            for layer in model.model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                    proj.bias.normal_(0, 0.2)
+    model.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory):
+    """tiny_model(arch="llama", **config_overrides) -> path of a saved tiny random HF model."""
+    cache = {}
+
+    def build(arch="llama", **overrides):
+        key = (arch, repr(sorted(overrides.items())))
+        if key not in cache:
+            cache[key] = make_tiny_model(tmp_path_factory.mktemp(arch), arch, **overrides)
+        return cache[key]
+    return build

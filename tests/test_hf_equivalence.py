@@ -1,0 +1,54 @@
+"""Vanilla greedy output equals Hugging Face transformers token-for-token (fp32, CPU)."""
+import pytest
+import torch
+import transformers
+
+from sparsevllm import LLM, SamplingParams
+
+PROMPTS = [[5, 17, 99, 3, 42, 8, 250, 31, 77], [11, 12], list(range(30, 70)), [200, 100, 50, 25, 12, 6]]
+
+
+def hf_greedy(path, prompt, n):
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                         pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def hf_logits(path, ids):
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0]
+
+
+@pytest.mark.parametrize("arch", ["llama", "llama_tied", "qwen2", "qwen3"])
+def test_greedy_matches_transformers_batch_1_and_batched(tiny_model, arch):
+    path = tiny_model(arch)
+    llm = LLM(path, page_size=4)
+    sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    expected = [hf_greedy(path, p, 12) for p in PROMPTS]
+    assert llm.generate(PROMPTS[0], sp, use_tqdm=False)[0]["token_ids"] == expected[0]
+    outs = llm.generate(PROMPTS, sp, use_tqdm=False)
+    assert [o["token_ids"] for o in outs] == expected
+    assert llm.engine.cache_manager.allocator.is_idle()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_first_step_logits_match_transformers(tiny_model, arch):
+    path = tiny_model(arch)
+    llm = LLM(path, page_size=4)
+    prompt = PROMPTS[2]
+    cont = [7, 9, 13, 21]
+    ours = llm.teacher_forced_logprobs([prompt], [cont], use_tqdm=False)[0]
+    ref = torch.log_softmax(hf_logits(path, prompt + cont)[len(prompt) - 1:-1], dim=-1)
+    torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-4)
+
+
+def test_llama3_rope_scaling_matches_transformers(tiny_model):
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64}
+    path = tiny_model("llama", rope_scaling=scaling, rope_theta=500000.0)
+    llm = LLM(path)
+    prompt = list(range(3, 120))
+    sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    assert llm.generate(prompt, sp, use_tqdm=False)[0]["token_ids"] == hf_greedy(path, prompt, 8)

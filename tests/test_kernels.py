@@ -1,0 +1,267 @@
+"""Every Triton kernel against its torch reference.
+
+Without CUDA the kernels run under Triton's interpreter on CPU (fp32 and fp16: the interpreter
+computes bf16 wrongly) on small randomized shapes; with CUDA the `gpu` tests run them in bf16,
+including a 32K-context decode and a decode captured in a CUDA graph.
+"""
+import os
+import subprocess
+import sys
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+pytest.importorskip("triton")
+
+from sparsevllm.kernels import decode_attention as da  # noqa: E402
+from sparsevllm.kernels import kv_store, prefill_attention as pa, rmsnorm, rotary, silu_mul  # noqa: E402
+
+CUDA = torch.cuda.is_available()
+interp = pytest.mark.skipif(CUDA, reason="interpreter tests run on CPU-only machines")
+
+
+def gpu(fn):
+    return pytest.mark.gpu(pytest.mark.skipif(not CUDA, reason="needs CUDA")(fn))
+
+
+TOL = {torch.float32: (1e-4, 1e-4), torch.float16: (2e-3, 2e-3), torch.bfloat16: (2e-2, 2e-2)}
+
+
+@pytest.fixture
+def poison(monkeypatch):
+    """Fresh float buffers from torch.empty/empty_like come NaN-filled, so any element a kernel
+    forgets to write shows up."""
+    empty, empty_like = torch.empty, torch.empty_like
+
+    def fill(t):
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: fill(empty(*a, **k)))
+    monkeypatch.setattr(torch, "empty_like", lambda *a, **k: fill(empty_like(*a, **k)))
+
+
+def close(a, b, dtype):
+    atol, rtol = TOL[dtype]
+    assert not a.isnan().any()
+    torch.testing.assert_close(a.float(), b.float(), atol=atol, rtol=rtol)
+
+
+def decode_case(g, B, Hq, Hkv, D, P, G, N, dtype, device):
+    """A random decode view over a shuffled pool: lengths 1..N*P (one full row, the rest mostly
+    with a partial last page), table entries past a row's pages padded with 0."""
+    num_pages = B * G * N + 3
+    k_cache = torch.randn(num_pages * P, Hkv, D, generator=g).to(device, dtype)
+    v_cache = torch.randn(num_pages * P, Hkv, D, generator=g).to(device, dtype)
+    table = torch.randperm(num_pages, generator=g)[:B * G * N].view(B, G, N).int()
+    lengths = torch.randint(1, N * P + 1, (B, G), generator=g).int()
+    lengths[0, 0] = N * P
+    used = (lengths.long() + P - 1) // P
+    table[torch.arange(N).view(1, 1, N) >= used.unsqueeze(-1)] = 0
+    q = torch.randn(B, Hq, D, generator=g).to(device, dtype)
+    return q, k_cache, v_cache, table.to(device), lengths.to(device)
+
+
+def prefill_case(g, chunks, contexts, Hq, Hkv, D, P, dtype, device):
+    """Chunks of cu_seqlens_q at the end of their contexts, keys through shuffled block tables."""
+    B = len(chunks)
+    N = max(-(-c // P) for c in contexts) + 1       # one padded entry at least
+    num_pages = B * N + 2
+    k_cache = torch.randn(num_pages * P, Hkv, D, generator=g).to(device, dtype)
+    v_cache = torch.randn(num_pages * P, Hkv, D, generator=g).to(device, dtype)
+    bt = torch.randperm(num_pages, generator=g)[:B * N].view(B, N).int()
+    cu = torch.tensor([0] + torch.tensor(chunks).cumsum(0).tolist(), dtype=torch.int32)
+    q = torch.randn(sum(chunks), Hq, D, generator=g).to(device, dtype)
+    return (q, k_cache, v_cache, bt.to(device), cu.to(device),
+            torch.tensor(contexts, dtype=torch.int32, device=device))
+
+
+# ---------------------------------------------------------------- interpreter (CPU)
+
+@interp
+@pytest.mark.parametrize("P,G_is_heads,dtype", [
+    (1, False, torch.float32), (1, True, torch.float16), (16, False, torch.float16),
+    (16, True, torch.float32), (4, True, torch.float32), (64, False, torch.float32)])
+def test_decode_attention_triton_matches_reference(P, G_is_heads, dtype, poison, monkeypatch):
+    monkeypatch.setattr(da, "MIN_SPLIT_TOKENS", 16)   # several splits, some empty, on tiny rows
+    g = torch.Generator().manual_seed(P * 10 + G_is_heads)
+    B, Hq, Hkv, D = 3, 4, 2, 32
+    N = {1: 70, 4: 20, 16: 5, 64: 2}[P]
+    args = decode_case(g, B, Hq, Hkv, D, P, Hkv if G_is_heads else 1, N, dtype, "cpu")
+    out = da.decode_attention_triton(*args, P, D ** -0.5)
+    close(out, da.decode_attention_ref(*args, P, D ** -0.5), dtype)
+
+
+@interp
+def test_decode_attention_handles_non_power_of_two_group_and_head_dim(poison):
+    g = torch.Generator().manual_seed(7)
+    args = decode_case(g, 2, 6, 2, 24, 16, 1, 3, torch.float32, "cpu")
+    close(da.decode_attention_triton(*args, 16, 0.2), da.decode_attention_ref(*args, 16, 0.2),
+          torch.float32)
+
+
+@interp
+@pytest.mark.parametrize("P,dtype", [(1, torch.float32), (16, torch.float16), (4, torch.float32)])
+def test_prefill_attention_triton_matches_reference(P, dtype, poison):
+    g = torch.Generator().manual_seed(P)
+    args = prefill_case(g, [5, 70, 1, 16], [5, 100, 33, 16], 4, 2, 32, P, dtype, "cpu")
+    out = pa.prefill_attention_triton(*args, P, 0.25, 70)
+    close(out, pa.prefill_attention_ref(*args, P, 0.25), dtype)
+
+
+@interp
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_store_kv_triton_writes_mapped_slots_and_skips_padding(dtype):
+    g = torch.Generator().manual_seed(3)
+    T, H, D, S = 9, 3, 24, 40
+    k, v = torch.randn(T, H, D, generator=g).to(dtype), torch.randn(T, H, D, generator=g).to(dtype)
+    slots = torch.randperm(S, generator=g)[:T]
+    slots[[2, 5]] = -1
+    kc, vc = torch.randn(S, H, D, generator=g).to(dtype), torch.randn(S, H, D, generator=g).to(dtype)
+    kc_ref, vc_ref = kc.clone(), vc.clone()
+    kv_store.store_kv_triton(k, v, kc, vc, slots)
+    kv_store.store_kv_ref(k, v, kc_ref, vc_ref, slots)
+    assert torch.equal(kc, kc_ref) and torch.equal(vc, vc_ref)
+
+
+@interp
+@pytest.mark.parametrize("dtype,with_residual", [(torch.float32, True), (torch.float16, True),
+                                                 (torch.float16, False)])
+def test_rms_norm_triton_matches_reference(dtype, with_residual, poison):
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(5, 96, generator=g).to(dtype)
+    w = torch.randn(96, generator=g).to(dtype)
+    res = torch.randn(5, 96, generator=g).to(dtype) if with_residual else None
+    got, want = rmsnorm.rms_norm_triton(x, w, 1e-6, res), rmsnorm.rms_norm_ref(x, w, 1e-6, res)
+    for a, b in zip(got if with_residual else [got], want if with_residual else [want]):
+        close(a, b, dtype)
+
+
+@interp
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_apply_rope_triton_matches_reference(dtype, poison):
+    g = torch.Generator().manual_seed(5)
+    T, Hq, Hk, D = 7, 6, 2, 32
+    q, k = torch.randn(T, Hq, D, generator=g).to(dtype), torch.randn(T, Hk, D, generator=g).to(dtype)
+    cache = torch.randn(50, D, generator=g)
+    pos = torch.randint(0, 50, (T,), generator=g)
+    for a, b in zip(rotary.apply_rope_triton(q, k, pos, cache), rotary.apply_rope_ref(q, k, pos, cache)):
+        close(a, b, dtype)
+
+
+@interp
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_silu_and_mul_triton_matches_reference(dtype, poison):
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(3, 2 * 1500, generator=g).to(dtype)    # I spans two blocks, the last partial
+    close(silu_mul.silu_and_mul_triton(x), silu_mul.silu_and_mul_ref(x), dtype)
+
+
+def test_kernel_modules_import_and_dispatch_without_triton():
+    code = (
+        "import sys; sys.modules['triton'] = None\n"
+        "import torch\n"
+        "from sparsevllm.kernels import decode_attention, kv_store, prefill_attention, rmsnorm,"
+        " rotary, silu_mul\n"
+        "x = torch.randn(2, 8)\n"
+        "assert torch.equal(silu_mul.silu_and_mul(x), silu_mul.silu_and_mul_ref(x))\n"
+        "assert torch.equal(rmsnorm.rms_norm(x, torch.ones(8), 1e-6), rmsnorm.rms_norm_ref(x, torch.ones(8), 1e-6))\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    env.pop("TRITON_INTERPRET", None)
+    subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=120)
+
+
+# ---------------------------------------------------------------- GPU (bf16)
+
+@gpu
+@pytest.mark.parametrize("P", [1, 16, 64])
+@pytest.mark.parametrize("G_is_heads", [False, True])
+def test_gpu_decode_attention_matches_reference_bf16(P, G_is_heads):
+    g = torch.Generator().manual_seed(P + 100 * G_is_heads)
+    for B, N in [(1, 4096 // P), (5, 1000 // P + 1), (17, 300 // P + 1)]:
+        args = decode_case(g, B, 32, 8, 128, P, 8 if G_is_heads else 1, N, torch.bfloat16, "cuda")
+        close(da.decode_attention(*args, P, 128 ** -0.5),
+              da.decode_attention_ref(*args, P, 128 ** -0.5), torch.bfloat16)
+
+
+@gpu
+def test_gpu_decode_attention_32k_context():
+    g = torch.Generator().manual_seed(32)
+    args = decode_case(g, 2, 32, 8, 128, 16, 1, 32768 // 16, torch.bfloat16, "cuda")
+    # A peaked softmax (large scale) so a wrong split merge moves the output well past tolerance.
+    close(da.decode_attention(*args, 16, 0.3), da.decode_attention_ref(*args, 16, 0.3), torch.bfloat16)
+
+
+@gpu
+def test_gpu_decode_attention_cuda_graph_replay_equals_eager():
+    g = torch.Generator().manual_seed(9)
+    B, P, N = 4, 16, 256
+    q, kc, vc, table, lengths = decode_case(g, B, 32, 8, 128, P, 1, N, torch.bfloat16, "cuda")
+    out = da.decode_attention(q, kc, vc, table, lengths, P, 0.1)          # warm-up / compile
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = da.decode_attention(q, kc, vc, table, lengths, P, 0.1)
+    for trial in range(3):
+        new = decode_case(g, B, 32, 8, 128, P, 1, N, torch.bfloat16, "cuda")
+        new[4][:] = torch.randint(1, 40 * (trial + 1), (B, 1), generator=g).int().cuda()
+        for dst, src in zip((q, kc, vc, table, lengths), new):
+            dst.copy_(src)
+        graph.replay()
+        eager = da.decode_attention(q, kc, vc, table, lengths, P, 0.1)
+        torch.testing.assert_close(out, eager, atol=0, rtol=0)
+        close(out, da.decode_attention_ref(q, kc, vc, table, lengths, P, 0.1), torch.bfloat16)
+
+
+@gpu
+@pytest.mark.parametrize("P", [1, 16])
+def test_gpu_prefill_attention_with_prefix_matches_reference_bf16(P):
+    g = torch.Generator().manual_seed(P)
+    args = prefill_case(g, [100, 513, 1, 64], [300, 2000, 700, 64], 32, 8, 128, P, torch.bfloat16, "cuda")
+    k = v = torch.empty(0)   # unused with a prefix
+    out = pa.prefill_attention(args[0], k, v, *args[1:], max_seqlen_q=513, has_prefix=True,
+                               page_size=P, scale=0.1)
+    close(out, pa.prefill_attention_ref(*args, P, 0.1), torch.bfloat16)
+
+
+@gpu
+def test_gpu_varlen_attention_without_prefix_matches_reference_bf16():
+    g = torch.Generator().manual_seed(11)
+    lens = [37, 300, 1, 128]
+    T = sum(lens)
+    q = torch.randn(T, 32, 128, generator=g).cuda().bfloat16()
+    k = torch.randn(T, 8, 128, generator=g).cuda().bfloat16()
+    v = torch.randn(T, 8, 128, generator=g).cuda().bfloat16()
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+    out = pa.prefill_attention(q, k, v, None, None, None, cu, None, max(lens), False, 16, 0.1)
+    assert not pa._varlen_broken, f"a FlashAttention backend failed: {pa._varlen_broken}"
+    close(out, pa.varlen_attention_ref(q, k, v, cu, max(lens), 0.1), torch.bfloat16)
+
+
+@gpu
+def test_gpu_fused_ops_match_reference_bf16():
+    g = torch.Generator().manual_seed(12)
+    bf = torch.bfloat16
+    for T in (1, 7, 300):
+        x, res = torch.randn(T, 4096, generator=g).cuda().to(bf), torch.randn(T, 4096, generator=g).cuda().to(bf)
+        w = torch.randn(4096, generator=g).cuda().to(bf)
+        for a, b in zip(rmsnorm.rms_norm(x, w, 1e-5, res), rmsnorm.rms_norm_ref(x, w, 1e-5, res)):
+            close(a, b, bf)
+        close(rmsnorm.rms_norm(x, w, 1e-5), rmsnorm.rms_norm_ref(x, w, 1e-5), bf)
+        q, k = torch.randn(T, 32, 128, generator=g).cuda().to(bf), torch.randn(T, 8, 128, generator=g).cuda().to(bf)
+        cache, pos = torch.randn(8192, 128, generator=g).cuda(), torch.randint(0, 8192, (T,), generator=g).cuda()
+        for a, b in zip(rotary.apply_rope(q, k, pos, cache), rotary.apply_rope_ref(q, k, pos, cache)):
+            close(a, b, bf)
+        xm = torch.randn(T, 2 * 14336, generator=g).cuda().to(bf)
+        close(silu_mul.silu_and_mul(xm), silu_mul.silu_and_mul_ref(xm), bf)
+        kk, vv = torch.randn(T, 8, 128, generator=g).cuda().to(bf), torch.randn(T, 8, 128, generator=g).cuda().to(bf)
+        slots = torch.randperm(4 * T, generator=g)[:T].cuda()
+        slots[::3] = -1
+        kc, vc = torch.zeros(4 * T, 8, 128, device="cuda", dtype=bf), torch.zeros(4 * T, 8, 128, device="cuda", dtype=bf)
+        kc2, vc2 = kc.clone(), vc.clone()
+        kv_store.store_kv(kk, vv, kc, vc, slots)
+        kv_store.store_kv_ref(kk, vv, kc2, vc2, slots)
+        assert torch.equal(kc, kc2) and torch.equal(vc, vc2)
