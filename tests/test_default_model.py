@@ -195,9 +195,9 @@ def test_chat_answer_names_paris(hf_model):
 
 def test_passkey_is_retrieved_from_filler(hf_model):
     tokenizer, model = hf_model
-    filler = "The grass is green. The sky is blue. The sun is yellow. Here we go. " * 12
+    filler = "The grass is green. The sky is blue. The sun is yellow. Here we go. " * 8
     question = f"{filler}The pass key is 71432. Remember it. {filler}\nWhat is the pass key?"
     ids = chat_ids(tokenizer, question)
-    assert ids.shape[1] > 400
+    assert ids.shape[1] > 300
     answer = tokenizer.decode(greedy(model, ids, 12))
     assert "71432" in answer, answer

@@ -1,0 +1,101 @@
+"""A user's mistake gets a clear error naming the knob or argument; a bad request fails alone."""
+import json
+
+import pytest
+
+from sparsevllm import LLM, SamplingParams, available_methods
+from sparsevllm.config import make_config
+
+
+def test_unknown_method_lists_registered_ones():
+    with pytest.raises(ValueError, match="unknown vllm_sparse_method 'qeust'.*vanilla"):
+        make_config(None, "qeust")
+
+
+def test_sparse_method_alias():
+    assert make_config(None, sparse_method="vanilla").vllm_sparse_method == "vanilla"
+    assert "vanilla" in available_methods()
+
+
+def test_unknown_knob_suggests_closest():
+    with pytest.raises(ValueError, match="unknown knob 'page_sise'.*did you mean 'page_size'"):
+        make_config(None, page_sise=16)
+
+
+@pytest.mark.parametrize("knob,value,msg", [
+    ("page_size", 12, "page_size=12 is invalid; valid: a power of two"),
+    ("dtype", "fp8", "dtype='fp8' is invalid"),
+    ("gpu_memory_utilization", 1.5, "gpu_memory_utilization"),
+    ("max_num_seqs", 0, "max_num_seqs=0"),
+    ("tensor_parallel_size", 2, "tensor_parallel_size"),
+])
+def test_invalid_engine_knob_values(knob, value, msg):
+    with pytest.raises(ValueError, match=msg):
+        make_config(None, **{knob: value})
+
+
+def test_sampling_params_validation():
+    with pytest.raises(ValueError, match="max_tokens must be an integer >= 1"):
+        SamplingParams(max_tokens=0)
+    with pytest.raises(ValueError, match="temperature must be >= 0"):
+        SamplingParams(temperature=-0.5)
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(top_p=0.0)
+
+
+def test_prompt_too_long_and_empty_prompt_fail_alone(tiny_model):
+    llm = LLM(tiny_model("llama"), max_model_len=64)
+    sp = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    outs = llm.generate([[5, 6, 7], list(range(3, 100)), [], [9, 10]], sp, use_tqdm=False)
+    assert [o["finish_reason"] for o in outs] == ["length", "error", "error", "length"]
+    assert "max_model_len=64" in outs[1]["error"]
+    assert "empty prompt" in outs[2]["error"]
+    assert len(outs[0]["token_ids"]) == 4 and len(outs[3]["token_ids"]) == 4
+    assert llm.engine.cache_manager.allocator.is_idle()
+
+
+def test_request_larger_than_kv_pool_fails_alone(tiny_model):
+    llm = LLM(tiny_model("llama"), num_kv_pages=4, page_size=16)
+    sp = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    outs = llm.generate([list(range(3, 200)), [5, 6, 7]], sp, use_tqdm=False)
+    assert outs[0]["finish_reason"] == "error" and "num_kv_pages" in outs[0]["error"]
+    assert outs[1]["finish_reason"] == "length"
+    # One that fits at admission but outgrows the pool while decoding also fails alone.
+    sp_long = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+    out = llm.generate([list(range(3, 40))], sp_long, use_tqdm=False)[0]
+    assert out["finish_reason"] == "error" and "no longer fits" in out["error"]
+    assert llm.engine.cache_manager.allocator.is_idle()
+
+
+def test_unsupported_architecture(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "vocab_size": 10,
+                                                      "hidden_size": 8, "intermediate_size": 8,
+                                                      "num_hidden_layers": 1, "num_attention_heads": 2}))
+    with pytest.raises(ValueError, match="unsupported model architecture 'GPT2LMHeadModel'.*LlamaForCausalLM"):
+        LLM(str(tmp_path))
+
+
+def test_unreadable_model_folder(tmp_path):
+    with pytest.raises(ValueError, match="no readable config.json"):
+        LLM(str(tmp_path))
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="cannot read"):
+        LLM(str(tmp_path))
+    with pytest.raises(ValueError, match="is not a folder"):
+        LLM(str(tmp_path / "missing"))
+
+
+def test_missing_weights_is_reported(tmp_path, tiny_model):
+    import shutil
+    src = tiny_model("llama")
+    shutil.copy(f"{src}/config.json", tmp_path / "config.json")
+    with pytest.raises(ValueError, match="no \\*.safetensors weights.*load_format='dummy'"):
+        LLM(str(tmp_path))
+    assert LLM(str(tmp_path), load_format="dummy").generate([[1, 2, 3]], SamplingParams(max_tokens=2),
+                                                            use_tqdm=False)[0]["finish_reason"] in ("length", "stop")
+
+
+def test_string_prompt_without_tokenizer_is_explained(tiny_model):
+    llm = LLM(tiny_model("llama"))
+    with pytest.raises(ValueError, match="no tokenizer: pass prompts as token-id lists"):
+        llm.generate("hello", use_tqdm=False)

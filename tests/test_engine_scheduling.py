@@ -1,0 +1,97 @@
+"""Chunked prefill, prefix caching, batching and preemption never change greedy outputs, and every
+generate leaves the page allocator as it found it."""
+import pytest
+
+from sparsevllm import LLM, SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+
+
+def prompts(n=5, base=60):
+    return [[(7 * i + 13 * j) % 250 + 3 for j in range(base + 9 * i)] for i in range(n)]
+
+
+def run(llm, ps, sp=GREEDY):
+    outs = llm.generate(ps, sp, use_tqdm=False)
+    assert llm.engine.cache_manager.allocator.is_idle()
+    return [o["token_ids"] for o in outs]
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model):
+    return tiny_model("llama")
+
+
+@pytest.fixture(scope="module")
+def reference(model):
+    llm = LLM(model, page_size=16, enable_prefix_caching=False)
+    return [run(llm, [p])[0] for p in prompts()]
+
+
+@pytest.mark.parametrize("chunk", [16, 32, 48, 4096])
+def test_chunked_prefill_equals_one_shot(model, reference, chunk):
+    llm = LLM(model, page_size=16, chunk_prefill_size=chunk, max_num_batched_tokens=max(chunk, 64),
+              enable_prefix_caching=False)
+    assert run(llm, prompts()) == reference
+
+
+def test_chunk_of_one_page_with_page_size_one(model, reference):
+    llm = LLM(model, page_size=1, chunk_prefill_size=1, max_num_batched_tokens=3)
+    assert run(llm, prompts(2)) == reference[:2]
+
+
+def test_batch_invariance(model, reference):
+    llm = LLM(model, page_size=16, max_num_seqs=3)
+    assert run(llm, prompts()) == reference
+    assert run(llm, list(reversed(prompts()))) == list(reversed(reference))
+
+
+def test_prefix_cache_hit_equals_miss(model):
+    shared = [(5 * j) % 240 + 4 for j in range(70)]
+    ps = [shared + [9, 8, 7], shared + [100, 101], shared]
+    cold = LLM(model, page_size=16, enable_prefix_caching=False)
+    expected = run(cold, ps)
+    warm = LLM(model, page_size=16)
+    assert run(warm, ps[:1]) == expected[:1]
+    free_before = warm.engine.cache_manager.allocator.num_free
+    seqs = [warm.engine.add_request(p, GREEDY) for p in ps[1:]]
+    first = warm.engine.scheduler._schedule_prefill()
+    hits = [s.num_computed_tokens for s in seqs]
+    assert hits == [64, 64], "the 4 full shared pages should be reused"
+    assert sum(first.num_tokens) == len(ps[1]) - 64 + len(ps[2]) - 64
+    for s in first.seqs:  # undo the manual scheduling and run normally
+        warm.engine.scheduler.preempt(s)
+    warm.engine.run(seqs, use_tqdm=False)
+    assert [s.completion_token_ids for s in seqs] == expected[1:]
+    assert warm.engine.cache_manager.allocator.num_free == free_before
+
+
+def test_preemption_under_tiny_kv_budget_keeps_outputs(model, reference):
+    # 14 pages of 16 tokens: two of these requests fit at once, so decode growth forces preemption.
+    llm = LLM(model, page_size=16, num_kv_pages=14, enable_prefix_caching=False)
+    sp = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    ref_llm = LLM(model, page_size=16, enable_prefix_caching=False)
+    expected = run(ref_llm, prompts(), sp)
+    assert run(llm, prompts(), sp) == expected
+    assert llm.engine.scheduler.num_preemptions > 0
+
+
+def test_max_tokens_eos_and_stop_tokens(model, reference):
+    llm = LLM(model)
+    p = prompts(1)[0]
+    full = reference[0]
+    out = llm.generate(p, SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True), use_tqdm=False)[0]
+    assert out["token_ids"] == full[:3] and out["finish_reason"] == "length"
+    stop = full[4]
+    out = llm.generate(p, SamplingParams(temperature=0.0, max_tokens=10, stop_token_ids=[stop]), use_tqdm=False)[0]
+    assert out["token_ids"] == full[:full.index(stop) + 1] and out["finish_reason"] == "stop"
+    llm.engine.eos_token_ids = {full[2]}
+    out = llm.generate(p, SamplingParams(temperature=0.0, max_tokens=10), use_tqdm=False)[0]
+    assert out["token_ids"] == full[:full.index(full[2]) + 1] and out["finish_reason"] == "stop"
+
+
+def test_max_model_len_stops_generation(model, reference):
+    p = prompts(1)[0]
+    llm = LLM(model, max_model_len=len(p) + 4)
+    out = llm.generate(p, GREEDY, use_tqdm=False)[0]
+    assert out["token_ids"] == reference[0][:4] and out["finish_reason"] == "length"
