@@ -49,7 +49,14 @@ class ModelRunner:
         self.cache_manager = method_cls(config, mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim,
                                         num_pages, self.dtype, self.device)
         self.controller = SparseController(self.cache_manager)
-        self.execution_mode = "eager"
+        self.graphs = None
+        if self.device.type == "cuda" and not config.enforce_eager:
+            if method_cls.capabilities.cuda_graph:
+                self.graphs = DecodeGraphs(self)
+            else:
+                logger.warning("method %s cannot be captured in CUDA graphs: decode runs eagerly",
+                               config.vllm_sparse_method)
+        self.execution_mode = "cuda_graph" if self.graphs is not None else "eager"
         logger.info("model %s on %s (%s), KV pool %d pages of %d tokens", mc.architecture, self.device,
                     self.dtype, num_pages, config.page_size)
 
@@ -89,10 +96,92 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, step: StepState) -> torch.Tensor:
         """Run the model on a step; return fp32 logits of the rows in step.logits_indices."""
+        if self.graphs is not None and not step.is_prefill and step.batch_size <= self.graphs.max_bs:
+            return self.graphs.replay(step).float()
+        return self.eager_forward(step)
+
+    def eager_forward(self, step: StepState, run_step_end: bool = True) -> torch.Tensor:
         self.controller.begin(step)
         try:
             hidden = self.model(step.input_ids, step.positions)
             logits = self.model.compute_logits(hidden[step.logits_indices])
         finally:
-            self.controller.end(step)
+            self.controller.end(step, run_step_end)
         return logits.float()
+
+
+class DecodeGraphs:
+    """One CUDA graph of the whole decode forward per batch-size bucket (1, 2, 4, 8, 16, 32, ...).
+
+    Graphs read fixed tensors, so every step's inputs are copied into static buffers sized for the
+    largest bucket; rows past the real batch are padding (slot -1 writes nowhere, length 1 reads one
+    harmless token, and their logits are dropped). The block-table width is fixed at max_model_len
+    pages, so the decode kernel's split count is fixed per bucket; kernels size their work from
+    the lengths they read, not from the table width.
+    """
+
+    def __init__(self, runner: ModelRunner):
+        cfg, cm = runner.config, runner.cache_manager
+        self.runner = runner
+        self.max_bs = cfg.max_num_seqs
+        self.buckets = sorted({min(1 << i, self.max_bs) for i in range(self.max_bs.bit_length() + 1)})
+        max_pages = cm.pages_for(cfg.max_model_len)
+        dev, bs = runner.device, self.max_bs
+        self.static = StepState(
+            is_prefill=False, seqs=[], num_tokens=[],
+            input_ids=torch.zeros(bs, dtype=torch.int64, device=dev),
+            positions=torch.zeros(bs, dtype=torch.int64, device=dev),
+            slot_mapping=torch.full((bs,), -1, dtype=torch.int64, device=dev),
+            block_tables=torch.zeros(bs, max_pages, dtype=torch.int32, device=dev),
+            context_lens=torch.ones(bs, dtype=torch.int32, device=dev),
+            cu_seqlens_q=torch.arange(bs + 1, dtype=torch.int32, device=dev),
+            logits_indices=torch.arange(bs, dtype=torch.int64, device=dev),
+            extras=cm.graph_extras(bs))
+        self.graphs, self.outputs = {}, {}
+        self.pool = None
+        for b in reversed(self.buckets):  # largest first, so smaller graphs reuse its memory pool
+            self._capture(b)
+        logger.info("captured decode CUDA graphs for batch sizes %s", self.buckets)
+
+    def _view(self, b: int) -> StepState:
+        s = self.static
+        return StepState(is_prefill=False, seqs=[None] * b, num_tokens=[1] * b, input_ids=s.input_ids[:b],
+                         positions=s.positions[:b], slot_mapping=s.slot_mapping[:b],
+                         block_tables=s.block_tables[:b], context_lens=s.context_lens[:b],
+                         cu_seqlens_q=s.cu_seqlens_q[:b + 1], logits_indices=s.logits_indices[:b],
+                         extras={k: v[:b] for k, v in s.extras.items()})
+
+    @torch.inference_mode()
+    def _capture(self, b: int) -> None:
+        step = self._view(b)
+        self.runner.eager_forward(step, run_step_end=False)  # warm-up: compiles kernels outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        self.runner.controller.begin(step)
+        try:
+            with torch.cuda.graph(graph, pool=self.pool):
+                hidden = self.runner.model(step.input_ids, step.positions)
+                self.outputs[b] = self.runner.model.compute_logits(hidden[step.logits_indices])
+        finally:
+            self.runner.controller.end(step, run_step_end=False)
+        self.pool = self.pool or graph.pool()
+        self.graphs[b] = graph
+
+    def replay(self, step: StepState) -> torch.Tensor:
+        n = step.batch_size
+        b = next(x for x in self.buckets if x >= n)
+        s = self.static
+        s.input_ids[:n].copy_(step.input_ids)
+        s.positions[:n].copy_(step.positions)
+        s.slot_mapping[:n].copy_(step.slot_mapping)
+        s.slot_mapping[n:b].fill_(-1)
+        width = step.block_tables.shape[1]
+        s.block_tables[:n, :width].copy_(step.block_tables)
+        s.context_lens[:n].copy_(step.context_lens)
+        s.context_lens[n:b].fill_(1)
+        for k, v in step.extras.items():
+            s.extras[k][:n].copy_(v)
+        self.graphs[b].replay()
+        # Hooks after the forward (on_step_end) still run eagerly, outside the graph.
+        self.runner.cache_manager.on_step_end(step)
+        return self.outputs[b][:n]

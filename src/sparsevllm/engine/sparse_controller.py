@@ -25,7 +25,9 @@ class SparseController:
     def get(self, key: str) -> torch.Tensor | None:
         return self._shared.get(key)
 
-    def end(self, step) -> None:
+    def end(self, step, run_step_end: bool = True) -> None:
+        """run_step_end is False only for CUDA-graph warm-up and capture, whose steps are padding."""
         set_forward_context(None)
         self._shared.clear()
-        self.cache_manager.on_step_end(step)
+        if run_step_end:
+            self.cache_manager.on_step_end(step)

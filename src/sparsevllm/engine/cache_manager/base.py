@@ -211,6 +211,10 @@ class CacheManager:
             has_prefix=any(c != n for c, n in zip(ctx, num_tokens)),
             logits_indices=t([c - 1 for c in cu[1:]], torch.int64))
 
+    def graph_extras(self, max_batch_size: int) -> dict[str, torch.Tensor]:
+        """Static buffers for the method's StepState.extras (first dim = batch), used by CUDA graphs."""
+        return {}
+
     # ---- per layer (Attention-facing) ---------------------------------------------------------
     def store_kv(self, layer_id: int, k: torch.Tensor, v: torch.Tensor, step: StepState) -> None:
         k_cache, v_cache = self.pool.layer(layer_id)
