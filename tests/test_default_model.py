@@ -181,7 +181,7 @@ def test_chat_template_uses_im_start_format(hf_model):
 def test_greedy_completion_names_paris(hf_model):
     tokenizer, model = hf_model
     ids = tokenizer("The capital of France is", return_tensors="pt")["input_ids"]
-    text = tokenizer.decode(greedy(model, ids, 8))
+    text = tokenizer.decode(greedy(model, ids, 6))
     assert "Paris" in text, text
 
 
@@ -189,7 +189,7 @@ def test_chat_answer_names_paris(hf_model):
     # With Q/K rows left in llama.cpp's order, short completions still work but chat answers
     # (behind the ~30-token system prompt) collapse into newlines: this checks the unpermute.
     tokenizer, model = hf_model
-    answer = tokenizer.decode(greedy(model, chat_ids(tokenizer, "What is the capital of France?"), 12))
+    answer = tokenizer.decode(greedy(model, chat_ids(tokenizer, "What is the capital of France?"), 10))
     assert "Paris" in answer, answer
 
 
@@ -199,5 +199,5 @@ def test_passkey_is_retrieved_from_filler(hf_model):
     question = f"{filler}The pass key is 71432. Remember it. {filler}\nWhat is the pass key?"
     ids = chat_ids(tokenizer, question)
     assert ids.shape[1] > 300
-    answer = tokenizer.decode(greedy(model, ids, 12))
+    answer = tokenizer.decode(greedy(model, ids, 10))
     assert "71432" in answer, answer

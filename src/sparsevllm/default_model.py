@@ -133,9 +133,9 @@ def ensure_default_model() -> Path:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    install_folder(tmp, final)
-    size_mb = sum(f.stat().st_size for f in final.iterdir()) / 2**20
+    size_mb = sum(f.stat().st_size for f in tmp.iterdir()) / 2**20
     logger.info("Converted default model in %.1f s (%.0f MB)", time.perf_counter() - start, size_mb)
+    install_folder(tmp, final)
     return final
 
 
