@@ -9,6 +9,7 @@ on `StepState` fields (no host syncs), because decode steps are captured into CU
 """
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from sparsevllm.config import EngineConfig, MethodConfig
@@ -86,6 +87,9 @@ class CacheManager:
         self.pool = KVPool(num_layers, num_pages, self.page_size, num_kv_heads, head_dim, dtype, device)
         self.allocator = PageAllocator(num_pages)
         self.block_tables: dict[int, list[int]] = {}
+        # The same tables as int32 arrays, so building a step's [B, N] table is B row copies rather
+        # than N Python ints per request (at 128K context that is thousands per step).
+        self._table_arrays: dict[int, np.ndarray] = {}
         self.prefix_caching = config.enable_prefix_caching and self.capabilities.prefix_cache
 
     # ---- sizing -----------------------------------------------------------------------------
@@ -147,6 +151,9 @@ class CacheManager:
         for page in hits:
             self.allocator.share(page)
         self.block_tables[seq.seq_id] = list(hits)
+        arr = np.zeros(self.pages_for(self.config.max_model_len) + 1, dtype=np.int32)
+        arr[:len(hits)] = hits
+        self._table_arrays[seq.seq_id] = arr
         seq.num_computed_tokens = seq.cache_len = len(hits) * self.page_size
 
     def reserve(self, seq: Sequence, num_new_tokens: int) -> bool:
@@ -155,13 +162,16 @@ class CacheManager:
         need = self.pages_for(seq.cache_len + num_new_tokens) - len(table)
         if need > self.allocator.num_free:
             return False
+        start = len(table)
         table.extend(self.allocator.allocate() for _ in range(need))
+        self._table_arrays[seq.seq_id][start:len(table)] = table[start:]
         return True
 
     def free(self, seq: Sequence) -> None:
         # Release the tail first so that, among cached pages, prefixes outlive their suffixes.
         for page in reversed(self.block_tables.pop(seq.seq_id, [])):
             self.allocator.release(page)
+        self._table_arrays.pop(seq.seq_id, None)
 
     def commit(self, seq: Sequence, num_new_tokens: int) -> None:
         """After a step stored num_new_tokens for seq: advance the counters and name newly full pages."""
@@ -191,22 +201,25 @@ class CacheManager:
         for seq, n in zip(seqs, num_tokens):
             start = seq.num_computed_tokens
             input_ids += seq.token_ids[start:start + n]
-            positions += range(start, start + n)
-            table = self.block_tables[seq.seq_id]
-            slots += [table[t // P] * P + t % P for t in range(seq.cache_len, seq.cache_len + n)]
+            positions.append(np.arange(start, start + n))
+            stored = np.arange(seq.cache_len, seq.cache_len + n)
+            slots.append(self._table_arrays[seq.seq_id][stored // P].astype(np.int64) * P + stored % P)
             cu.append(cu[-1] + n)
             ctx.append(seq.cache_len + n)
         width = max(len(self.block_tables[s.seq_id]) for s in seqs)
-        tables = [self.block_tables[s.seq_id] + [0] * (width - len(self.block_tables[s.seq_id])) for s in seqs]
+        tables = np.stack([self._table_arrays[s.seq_id][:width] for s in seqs])
         dev = self.device
 
         def t(x, dtype=torch.int32):
             return torch.tensor(x, dtype=dtype, device=dev)
 
+        def np_t(x):
+            return torch.from_numpy(x).to(dev)
+
         return StepState(
             is_prefill=is_prefill, seqs=seqs, num_tokens=list(num_tokens),
-            input_ids=t(input_ids, torch.int64), positions=t(positions, torch.int64),
-            slot_mapping=t(slots, torch.int64), block_tables=t(tables), context_lens=t(ctx),
+            input_ids=t(input_ids, torch.int64), positions=np_t(np.concatenate(positions)),
+            slot_mapping=np_t(np.concatenate(slots)), block_tables=np_t(tables), context_lens=t(ctx),
             cu_seqlens_q=t(cu), max_seqlen_q=max(num_tokens),
             has_prefix=any(c != n for c, n in zip(ctx, num_tokens)),
             logits_indices=t([c - 1 for c in cu[1:]], torch.int64))
