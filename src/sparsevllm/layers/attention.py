@@ -1,7 +1,7 @@
 """The generic attention layer: the same code for every sparse method.
 
-project (model) -> RoPE (model) -> store_kv -> on_kv_stored -> prefill over prefill_view, or decode
-over build_decode_view. Method behaviour enters only through those cache-manager hooks.
+project (model) -> RoPE (model) -> store_kv -> on_kv_stored -> prefill (observe_prefill_queries, then
+attention over prefill_view), or decode over build_decode_view. Method behaviour enters only through those cache-manager hooks.
 """
 import torch
 from torch import nn
@@ -25,6 +25,7 @@ class Attention(nn.Module):
         cm.store_kv(self.layer_id, k, v, step)
         cm.on_kv_stored(self.layer_id, k, v, step)
         if step.is_prefill:
+            cm.observe_prefill_queries(self.layer_id, q, step)
             view = cm.prefill_view(self.layer_id, step)
             return prefill_attention(q, k, v, view.k_cache, view.v_cache, view.block_tables, step.cu_seqlens_q,
                                      view.context_lens, step.max_seqlen_q, step.has_prefix, view.page_size,

@@ -1,7 +1,8 @@
 """CacheManager: the hook contract every sparse method implements, with dense (vanilla) defaults.
 
 Per step the engine calls `prepare_step` once; per layer the generic Attention calls `store_kv`,
-`on_kv_stored`, then `prefill_view` (prefill) or `build_decode_view` (decode); after the forward
+`on_kv_stored`, then `observe_prefill_queries` + `prefill_view` (prefill) or `build_decode_view`
+(decode); after the forward
 the controller calls `on_step_end`. The scheduler only asks `can_admit` / `allocate` / `reserve` /
 `free`. A method subclasses this, declares its knobs (`config_cls`), its prefill policy and its
 capabilities, and overrides the hooks it needs. Everything a decode hook does must be tensor work
@@ -235,6 +236,11 @@ class CacheManager:
 
     def on_kv_stored(self, layer_id: int, k: torch.Tensor, v: torch.Tensor, step: StepState) -> None:
         """Update method metadata after the write (Quest: page min/max). Dense: nothing."""
+
+    def observe_prefill_queries(self, layer_id: int, q: torch.Tensor, step: StepState) -> None:
+        """See a prefill chunk's queries (q: [T, H_q, D], after RoPE; the chunk's K/V are already
+        stored), e.g. to score prompt tokens from an observation window (SnapKV). Prefill math is
+        unchanged. Dense: nothing."""
 
     def prefill_view(self, layer_id: int, step: StepState) -> PrefillView:
         k_cache, v_cache = self.pool.layer(layer_id)
