@@ -21,8 +21,10 @@ class MethodConfig:
     def knob_names(cls) -> list[str]:
         return [f.name for f in fields(cls)]
 
-    def validate(self) -> None:
-        """Raise ValueError naming the knob and its valid range."""
+    def validate(self, engine: "EngineConfig") -> None:
+        """Raise ValueError naming the knob and its valid range. May read (and, for knobs the method
+        dictates such as its page size, set) the engine's knobs: budgets that contradict each other
+        are caught here, before any model loads."""
 
 
 @dataclass
@@ -64,7 +66,7 @@ class EngineConfig:
         need(self.num_kv_pages is None or (isinstance(self.num_kv_pages, int) and self.num_kv_pages >= 1),
              "num_kv_pages", "None (sized from memory) or an integer >= 1")
         need(self.tensor_parallel_size == 1, "tensor_parallel_size", "1 (tensor parallelism is not implemented yet)")
-        self.method_config.validate()
+        self.method_config.validate(self)
 
 
 ENGINE_KNOBS = [f.name for f in fields(EngineConfig) if f.name not in ("model", "vllm_sparse_method", "method_config")]
