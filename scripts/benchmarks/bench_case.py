@@ -14,6 +14,13 @@ import numpy as np
 DECODE_WARMUP_STEPS = 4
 
 
+# every row carries these keys; a failed case has them as None
+METRIC_KEYS = ("ttft_mean_s", "ttft_max_s", "prefill_tok_s", "decode_tok_s", "itl_p50_ms", "itl_p99_ms",
+               "decode_window_tokens", "decode_window_s", "concurrent", "decoded_tokens", "execution_mode",
+               "dtype", "memory_accounting", "memory_accounting_peak", "peak_device_bytes", "max_rss_bytes",
+               "resolved_config")
+
+
 def make_prompts(cfg: dict, batch: int, length: int, seed: int) -> list[list[int]]:
     """Random token ids of exact length. Real vocabularies keep their special tokens at the top
     (Llama-3 from 128000, Qwen3 from 151643), so ids come from the bottom 90%, minus any id the
@@ -110,6 +117,26 @@ def _memory(torch) -> dict:
     return mem
 
 
+def _track_peak_accounting(llm) -> dict:
+    """Sample memory_accounting() after every engine step and keep each field's maximum, since after
+    generate() returns every request's pages are free again. Costs a small dict per step."""
+    peak: dict = {}
+    engine = getattr(llm, "engine", None)
+    if engine is None or not hasattr(engine, "step"):
+        return peak
+    step = engine.step
+
+    def step_and_sample(*args, **kwargs):
+        out = step(*args, **kwargs)
+        for key, value in llm.memory_accounting().items():
+            if isinstance(value, (int, float)):
+                peak[key] = max(peak.get(key, value), value)
+        return out
+
+    engine.step = step_and_sample
+    return peak
+
+
 def _resolved_dtype(llm) -> str:
     """The dtype the weights and KV really use (the config may still say "auto")."""
     if llm.config.dtype != "auto":
@@ -135,7 +162,7 @@ def run_engine_case(case: dict) -> dict:
     stored = case.get("kv_tokens_stored")
     if stored is not None and "num_pages" in accounting:
         page = llm.config.page_size
-        need = case["batch"] * -(-(stored + 1) // page)
+        need = case["batch"] * -(-stored // page)
         if need > accounting["num_pages"]:
             raise KVCapacityError(
                 f"KV pool too small for this case: {case['batch']} requests x {stored} tokens need {need} pages "
@@ -144,6 +171,7 @@ def run_engine_case(case: dict) -> dict:
     sp = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=case["output_len"])
     llm.generate(_warmup_prompts(cfg, case), SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=4),
                  use_tqdm=False)
+    peak = _track_peak_accounting(llm)
     runs, decoded = [], []
     for r in range(case["repeat"]):
         # fresh prompts each repeat, so the prefix cache cannot turn a repeat's prefill into a lookup
@@ -157,10 +185,9 @@ def run_engine_case(case: dict) -> dict:
         runs.append(timing_metrics(start, [m["first_token_time"] for m in ms], [m["finish_time"] for m in ms],
                                    [m["token_times"] for m in ms], case["batch"], case["length"]))
         decoded.append(sum(len(o["token_ids"]) for o in outs))
-        accounting = llm.memory_accounting()
     result.update(median_metrics(runs))
     result.update(decoded_tokens=decoded[-1], expected_decoded_tokens=case["batch"] * case["output_len"],
-                  memory_accounting=_jsonable(accounting), **_memory(torch))
+                  memory_accounting=_jsonable(accounting), memory_accounting_peak=peak or None, **_memory(torch))
     return result
 
 
@@ -198,18 +225,19 @@ def run_hf_case(case: dict) -> dict:
         return start, clock.times
 
     generate(_warmup_prompts(case["model_config"], case), 4)
-    runs = []
+    runs, decoded = [], 0
     for r in range(case["repeat"]):
         prompts = make_prompts(case["model_config"], case["batch"], case["length"], seed=case["seed"] + r)
         start, times = generate(prompts, case["output_len"])
         # every sequence of the batch gets each token at the same step
         runs.append(timing_metrics(start, [times[0]] * case["batch"], [times[-1]] * case["batch"],
                                    [times] * case["batch"], case["batch"], case["length"]))
+        decoded = case["batch"] * len(times)
     result = {"resolved_config": {"model": case["model_dir"], "dtype": str(dtype), "attn_implementation": "sdpa",
                                   "device": device, "transformers_generate": True},
               "execution_mode": "eager", "dtype": str(dtype).replace("torch.", ""), "memory_accounting": None}
     result.update(median_metrics(runs))
-    result.update(decoded_tokens=case["batch"] * len(times), expected_decoded_tokens=case["batch"] * case["output_len"],
+    result.update(decoded_tokens=decoded, expected_decoded_tokens=case["batch"] * case["output_len"],
                   **_memory(torch))
     return result
 

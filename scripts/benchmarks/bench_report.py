@@ -16,12 +16,14 @@ def _fmt(value, scale=1.0, digits=1):
     return f"{value * scale:,.{digits}f}"
 
 
-def _gib(value):
-    return _fmt(value, 1 / 2**30, 2)
+def _bytes(value):
+    if value is None:
+        return "-"
+    return f"{value / 2**30:,.2f} GiB" if value >= 2**30 else f"{value / 2**20:,.2f} MiB"
 
 
 COLUMNS = ["method", "length", "batch", "status", "TTFT mean / max (ms)", "prefill tok/s", "decode tok/s",
-           "ITL p50 / p99 (ms)", "peak dev mem (GiB)", "KV pool (GiB)", "graph", "decoded", "speed-up",
+           "ITL p50 / p99 (ms)", "peak dev mem", "KV used / pool", "graph", "decoded", "speed-up",
            "roofline tok/s", "% of roofline"]
 
 
@@ -31,12 +33,14 @@ def summary_markdown(rows: list[dict], header: dict) -> str:
     lines += ["", "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     for r in rows:
         acc = r.get("memory_accounting") or {}
+        peak = r.get("memory_accounting_peak") or {}
         frac = r.get("roofline_fraction")
         cells = [r["method"], str(r["length"]), str(r["batch"]), r["status"],
                  f"{_fmt(r.get('ttft_mean_s'), 1e3)} / {_fmt(r.get('ttft_max_s'), 1e3)}",
                  _fmt(r.get("prefill_tok_s")), _fmt(r.get("decode_tok_s")),
                  f"{_fmt(r.get('itl_p50_ms'), 1, 2)} / {_fmt(r.get('itl_p99_ms'), 1, 2)}",
-                 _gib(r.get("peak_device_bytes")), _gib(acc.get("kv_pool_bytes")),
+                 _bytes(r.get("peak_device_bytes")),
+                 f"{_bytes(peak.get('kv_used_bytes'))} / {_bytes(acc.get('kv_pool_bytes'))}",
                  r.get("execution_mode") or "-", _fmt(r.get("decoded_tokens"), 1, 0),
                  _fmt(r.get("speedup_vs_vanilla"), 1, 2) + ("x" if r.get("speedup_vs_vanilla") else ""),
                  _fmt(r.get("roofline_tok_s")), _fmt(frac, 100, 1) + ("%" if frac is not None else "")]
@@ -55,7 +59,7 @@ def summary_markdown(rows: list[dict], header: dict) -> str:
 
 def plot(rows: list[dict], path: str, title: str) -> None:
     """Decode tok/s against prompt length, one line per method, one panel per batch size; vanilla's
-    roofline dashed. Failed cases are left out of the lines."""
+    roofline dashed (GPU runs). Failed cases are left out of the lines."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -69,11 +73,15 @@ def plot(rows: list[dict], path: str, title: str) -> None:
                          if r["method"] == method and r["status"] == "ok" and r.get("decode_tok_s"))
             if pts:
                 ax.plot(*zip(*pts), marker="o", label=method)
-        roof = sorted({(r["length"], r["roofline_tok_s"]) for r in here
-                       if r["method"] == "vanilla" and r.get("roofline_tok_s")})
+        # the roofline uses a GPU's bandwidth; next to CPU figures it would only flatten the plot
+        roof = sorted({(r["length"], r["roofline_tok_s"]) for r in here if r["method"] == "vanilla"
+                       and r.get("roofline_tok_s") and (r.get("environment") or {}).get("gpu")})
         if roof:
             ax.plot(*zip(*roof), linestyle="--", color="grey", label="vanilla roofline")
         ax.set_xscale("log", base=2)
+        lengths = sorted({r["length"] for r in here})
+        ax.set_xticks(lengths, [f"{n / 1024:.3g}K" if n >= 1024 else str(n) for n in lengths])
+        ax.set_ylim(bottom=0)
         ax.set_title(f"batch {batch}")
         ax.set_xlabel("prompt length (tokens)")
         ax.set_ylabel("decode tok/s")

@@ -22,6 +22,7 @@ if importlib.util.find_spec("sparsevllm") is None and os.path.isdir(os.path.join
     sys.path.insert(0, SRC)  # running from a checkout without `pip install`
 sys.path.insert(0, HERE)
 
+import bench_case  # noqa: E402
 import bench_roofline  # noqa: E402
 
 # knobs the benchmark sets itself, per case
@@ -221,6 +222,8 @@ def make_row(case: dict, result: dict, args) -> dict:
     row = {k: case[k] for k in ("run_id", "method", "length", "batch", "output_len", "repeat", "seed")}
     row.update(status=result.get("status"), error=result.get("error"))
     row.update({k: v for k, v in result.items() if k not in row})
+    for key in bench_case.METRIC_KEYS:
+        row.setdefault(key, None)
     knobs = case.get("engine_kwargs", {})
     roof = bench_roofline.roofline(case["model_config"], _dtype_bytes(result.get("dtype")), case["method"],
                                    knobs, case["batch"], case["length"], case["output_len"], args.hbm_bw)
@@ -294,7 +297,6 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args._run_case:
-        import bench_case
         return bench_case.run_case_file(args._run_case)
     try:
         plan = validate(args)

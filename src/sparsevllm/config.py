@@ -49,6 +49,8 @@ class EngineConfig:
     method_config: MethodConfig = field(default_factory=MethodConfig, repr=False)
 
     def validate(self) -> None:
+        self.method_config.validate(self)  # first: a method may dictate an engine knob (its page size)
+
         def need(ok, knob, valid):
             if not ok:
                 raise ValueError(f"{knob}={getattr(self, knob)!r} is invalid; valid: {valid}")
@@ -66,7 +68,6 @@ class EngineConfig:
         need(self.num_kv_pages is None or (isinstance(self.num_kv_pages, int) and self.num_kv_pages >= 1),
              "num_kv_pages", "None (sized from memory) or an integer >= 1")
         need(self.tensor_parallel_size == 1, "tensor_parallel_size", "1 (tensor parallelism is not implemented yet)")
-        self.method_config.validate(self)
 
 
 ENGINE_KNOBS = [f.name for f in fields(EngineConfig) if f.name not in ("model", "vllm_sparse_method", "method_config")]

@@ -22,6 +22,7 @@ BLOCK_N = 64        # tokens per inner step
 NUM_WARPS = 4
 NUM_STAGES = 2
 MIN_SPLIT_TOKENS = 256  # below this a split's fixed cost outweighs the parallelism it buys
+PROGRAMS_PER_SM = 4     # enough resident programs to keep HBM busy across all SMs
 
 
 def decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -59,9 +60,9 @@ def _decode_split_kernel(
         q_ptr, k_ptr, v_ptr, table_ptr, len_ptr, mid_o_ptr, mid_lse_ptr, qk_scale,
         stride_qb, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh,
         stride_tb, stride_tg, stride_lb, stride_lg,
-        stride_ob, stride_oh, stride_os, stride_lseb, stride_lseh,
+        stride_ob, stride_oh, stride_os, stride_lseb, stride_lseh, NUM_SPLITS,
         QG: tl.constexpr, P: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-        BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+        BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
         UPCAST: tl.constexpr, DOT_PREC: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -122,8 +123,8 @@ def _decode_split_kernel(
 @jit
 def _decode_merge_kernel(mid_o_ptr, mid_lse_ptr, out_ptr,
                          stride_ob, stride_oh, stride_os, stride_lseb, stride_lseh,
-                         stride_outb, stride_outh,
-                         NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+                         stride_outb, stride_outh, NUM_SPLITS,
+                         BLOCK_S: tl.constexpr,
                          HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -150,13 +151,13 @@ def _sm_count(device_index: int) -> int:
 
 def num_splits(batch: int, num_kv_heads: int, table_width: int, page_size: int,
                device: torch.device) -> int:
-    """Splits per row: enough programs for ~4 per SM, no split shorter than MIN_SPLIT_TOKENS.
+    """Splits per row: enough programs for PROGRAMS_PER_SM per SM, no split shorter than MIN_SPLIT_TOKENS.
 
     A function of static shapes only, so a captured graph's split count is right for any lengths.
     """
     sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device()) \
         if device.type == "cuda" else 4
-    want = -(-4 * sms // max(1, batch * num_kv_heads))
+    want = -(-PROGRAMS_PER_SM * sms // max(1, batch * num_kv_heads))
     cap = max(1, table_width * page_size // MIN_SPLIT_TOKENS)
     return int(max(1, min(want, cap, 128)))
 
@@ -188,13 +189,13 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         v_cache.stride(0), v_cache.stride(1),
         table.stride(0), stride_tg, lengths.stride(0), stride_lg,
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
-        QG=QG, P=P, HEAD_DIM=D, BLOCK_D=BLOCK_D, BLOCK_H=max(16, pow2(QG)), BLOCK_N=BLOCK_N,
-        NUM_SPLITS=S, UPCAST=upcast, DOT_PREC=dot_precision(q.dtype),
+        S, QG=QG, P=P, HEAD_DIM=D, BLOCK_D=BLOCK_D, BLOCK_H=max(16, pow2(QG)), BLOCK_N=BLOCK_N,
+        UPCAST=upcast, DOT_PREC=dot_precision(q.dtype),
         num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     _decode_merge_kernel[(B, Hq)](
         mid_o, mid_lse, out, mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
-        mid_lse.stride(0), mid_lse.stride(1), out.stride(0), out.stride(1),
-        NUM_SPLITS=S, BLOCK_S=pow2(S), HEAD_DIM=D, BLOCK_D=BLOCK_D, num_warps=4)
+        mid_lse.stride(0), mid_lse.stride(1), out.stride(0), out.stride(1), S,
+        BLOCK_S=pow2(S), HEAD_DIM=D, BLOCK_D=BLOCK_D, num_warps=4)
     return out
 
 

@@ -60,7 +60,8 @@ def fit_to_length(build: Callable[[int], tuple[str, str]], unit_tokens: list[int
 
     `build(n)` returns (body, answer_prefix) with n filler units; `unit_tokens[i]` is the token count
     of unit i on its own, used only to guess n (tokens merge across boundaries, so the guess is
-    corrected by measuring). Returns (prompt text, token ids, n).
+    corrected by measuring). Returns (prompt text, token ids, n); n == len(unit_tokens) when even
+    all units fit.
     """
     cache = {}
 
@@ -89,8 +90,8 @@ def fit_to_length(build: Callable[[int], tuple[str, str]], unit_tokens: list[int
         return lo
 
     n = guess(target - base)
-    if n == len(unit_tokens):
-        raise ValueError(f"not enough filler for {target} tokens; raise the unit count")
+    if n == len(unit_tokens) and measure(n) <= target:
+        return (*cache[n], n)  # everything fits (a short dataset context)
     # Correct the additive estimate by the measured offset, then walk to the exact boundary.
     n = guess(max(0, target - base - (measure(n) - base - cum[n])))
     while n > 0 and measure(n) > target:

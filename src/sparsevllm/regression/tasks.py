@@ -117,7 +117,7 @@ def variable_tracking(formatter: PromptFormatter, length: int, index: int, seed:
     needles = list(zip(sorted(rng.random() for _ in statements), statements))
     question = f"Question: Find all variables that are assigned the value {value} in the text above."
     intro = ("Memorize and track the chain of variable assignments hidden in the following text. "
-             + question)
+             f"You will be asked to find all variables that are assigned the value {value}.")
     answer_prefix = (f"Answer: According to the chain of variable assignments in the text above, "
                      f"{len(names)} variables are assigned the value {value}, they are:")
 
