@@ -179,8 +179,8 @@ class CacheManager:
         old = seq.cache_len
         seq.num_computed_tokens += num_new_tokens
         seq.cache_len += num_new_tokens
-        if not self.prefix_caching:
-            return
+        if not self.prefix_caching or seq.cache_len != seq.num_computed_tokens:
+            return  # only raw caches (cache position == logical position) can be named by their tokens
         P, table = self.page_size, self.block_tables[seq.seq_id]
         for i in range(old // P, seq.cache_len // P):
             prev = self.allocator.hash_of[table[i - 1]] if i > 0 else -1
