@@ -265,3 +265,13 @@ def test_gpu_fused_ops_match_reference_bf16():
         kv_store.store_kv(kk, vv, kc, vc, slots)
         kv_store.store_kv_ref(kk, vv, kc2, vc2, slots)
         assert torch.equal(kc, kc2) and torch.equal(vc, vc2)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_gpu_attention_kernels_match_reference_in_fp16_and_fp32(dtype):
+    g = torch.Generator().manual_seed(13)
+    args = decode_case(g, 3, 32, 8, 128, 16, 8, 40, dtype, "cuda")
+    close(da.decode_attention(*args, 16, 0.1), da.decode_attention_ref(*args, 16, 0.1), dtype)
+    args = prefill_case(g, [100, 3], [300, 50], 32, 8, 128, 16, dtype, "cuda")
+    close(pa.prefill_attention_triton(*args, 16, 0.1, 100), pa.prefill_attention_ref(*args, 16, 0.1), dtype)

@@ -18,9 +18,10 @@ import torch
 
 from sparsevllm.kernels.common import dot_precision, jit, pow2, tl, upcast_loads, use_triton
 
+# Launch settings: the best of a sweep on the H200 (scripts/benchmarks/bench_kernels.py --sweep).
 BLOCK_N = 64        # tokens per inner step
 NUM_WARPS = 4
-NUM_STAGES = 2
+NUM_STAGES = 3
 MIN_SPLIT_TOKENS = 256  # below this a split's fixed cost outweighs the parallelism it buys
 PROGRAMS_PER_SM = 4     # enough resident programs to keep HBM busy across all SMs
 
@@ -151,13 +152,13 @@ def _sm_count(device_index: int) -> int:
 
 def num_splits(batch: int, num_kv_heads: int, table_width: int, page_size: int,
                device: torch.device) -> int:
-    """Splits per row: enough programs for PROGRAMS_PER_SM per SM, no split shorter than MIN_SPLIT_TOKENS.
+    """Splits per row: about PROGRAMS_PER_SM programs per SM, no split under MIN_SPLIT_TOKENS.
 
     A function of static shapes only, so a captured graph's split count is right for any lengths.
     """
     sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device()) \
         if device.type == "cuda" else 4
-    want = -(-PROGRAMS_PER_SM * sms // max(1, batch * num_kv_heads))
+    want = PROGRAMS_PER_SM * sms // max(1, batch * num_kv_heads)
     cap = max(1, table_width * page_size // MIN_SPLIT_TOKENS)
     return int(max(1, min(want, cap, 128)))
 

@@ -1,0 +1,358 @@
+"""Kernel micro-benchmarks: decode attention bandwidth, fused ops and prefill vs their torch refs.
+
+    PYTHONPATH=src python scripts/benchmarks/bench_kernels.py --out kernels.json
+
+Decode attention is timed over a dense decode view (every row the full context) for batch 1/4/32 x
+4K/32K/128K, page sizes 1/16/64 and G = 1 / G = H_kv, Llama-3.1-8B heads (32 q, 8 kv, d = 128),
+bf16, and reported as TB/s of KV read, timed both eagerly (triton.testing.do_bench, median; small
+cases are launch-bound there) and replayed from a CUDA graph (do_bench_cudagraph, as the engine runs
+decode). --sweep first tries launch settings of the decode and prefill kernels and uses the best;
+--sweep-splits times several split-count heuristics.
+`--smoke` runs tiny shapes on whatever device there is (under TRITON_INTERPRET on CPU) to check the
+script itself.
+"""
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import triton  # noqa: E402
+
+from sparsevllm.kernels import decode_attention as da  # noqa: E402
+from sparsevllm.kernels import kv_store, prefill_attention as pa, rmsnorm, rotary, silu_mul  # noqa: E402
+
+HQ, HKV, D = 32, 8, 128
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def bench_ms(fn) -> float:
+    if DEV == "cuda":
+        return triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median")
+    times = []
+    for _ in range(3):
+        t = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t) * 1e3)
+    return statistics.median(times)
+
+
+def bench_graph_ms(fn) -> float:
+    """Median time of fn replayed from a CUDA graph: the kernels alone, without launch overhead
+    (decode runs this way in the engine)."""
+    if DEV != "cuda":
+        return bench_ms(fn)
+    # do_bench_cudagraph runs fn on a side stream: without this sync it can read inputs (a block
+    # table still being written by randperm) before the default stream has produced them.
+    torch.cuda.synchronize()
+    try:
+        return triton.testing.do_bench_cudagraph(fn, rep=20, return_mode="median")
+    except TypeError:  # older Triton without return_mode
+        return triton.testing.do_bench_cudagraph(fn, rep=20)
+
+
+def dense_view(B, ctx, P, G, gen):
+    """Every row covers the full context through shuffled pages of one pool of B * ctx slots."""
+    num_pages = B * ctx // P
+    N = ctx // P
+    if G == 1:
+        table = torch.randperm(num_pages, device=DEV, generator=gen).view(B, 1, N)
+    else:  # each KV head reads its own permutation of the request's pages
+        table = torch.stack([torch.randperm(num_pages, device=DEV, generator=gen)[:B * N].view(B, N)
+                             for _ in range(G)], dim=1)
+    lengths = torch.full((B, G), ctx, dtype=torch.int32, device=DEV)
+    return table.int().contiguous(), lengths
+
+
+def kv_bytes(B, ctx, dtype=torch.bfloat16):
+    return 2 * B * ctx * HKV * D * torch.finfo(dtype).bits // 8
+
+
+def copy_bandwidth():
+    x = torch.empty(1 << 30, dtype=torch.uint8, device=DEV)
+    y = torch.empty_like(x)
+    ms = bench_ms(lambda: y.copy_(x))
+    return 2 * x.numel() / ms / 1e9
+
+
+def sweep_decode(results, gen, ctx):
+    """Launch settings of the split kernel on B = 4 x ctx; leaves the best in the module."""
+    B = 4
+    k_cache = torch.randn(B * ctx, HKV, D, device=DEV, dtype=torch.bfloat16, generator=gen)
+    v_cache = torch.randn_like(k_cache)
+    q = torch.randn(B, HQ, D, device=DEV, dtype=torch.bfloat16, generator=gen)
+    views = {P: dense_view(B, ctx, P, 1, gen) for P in (1, 16)}
+    best = None
+    for block_n in (32, 64, 128):
+        for warps in (4, 8):
+            for stages in (2, 3):
+                for pps in (4, 8):
+                    da.BLOCK_N, da.NUM_WARPS, da.NUM_STAGES, da.PROGRAMS_PER_SM = block_n, warps, stages, pps
+                    row = {"BLOCK_N": block_n, "num_warps": warps, "num_stages": stages,
+                           "programs_per_sm": pps}
+                    try:
+                        for P, (table, lengths) in views.items():
+                            ms = bench_ms(lambda: da.decode_attention_triton(
+                                q, k_cache, v_cache, table, lengths, P, D ** -0.5))
+                            row[f"P{P}_tbps"] = round(kv_bytes(B, ctx) / ms / 1e9, 3)
+                    except Exception as e:  # e.g. out of shared memory for a large block
+                        row["error"] = str(e)[:200]
+                        results.append(row)
+                        continue
+                    results.append(row)
+                    print("sweep", row, flush=True)
+                    score = min(row["P1_tbps"], row["P16_tbps"])
+                    if best is None or score > best[0]:
+                        best = (score, row)
+    r = best[1]
+    da.BLOCK_N, da.NUM_WARPS, da.NUM_STAGES, da.PROGRAMS_PER_SM = (
+        r["BLOCK_N"], r["num_warps"], r["num_stages"], r["programs_per_sm"])
+    print("best decode settings", r, flush=True)
+    return r
+
+
+def bench_decode(results, gen, batches, contexts, deadline):
+    free = torch.cuda.mem_get_info()[0] if DEV == "cuda" else 1 << 34
+    for B in batches:
+        for ctx in contexts:
+            if 2.3 * kv_bytes(B, ctx) > free:
+                results.append({"batch": B, "context": ctx, "skipped": "does not fit"})
+                continue
+            k_cache = torch.randn(B * ctx, HKV, D, device=DEV, dtype=torch.bfloat16, generator=gen)
+            v_cache = torch.randn_like(k_cache)
+            q = torch.randn(B, HQ, D, device=DEV, dtype=torch.bfloat16, generator=gen)
+            for P in (1, 16, 64):
+                for G in (1, HKV):
+                    if time.time() > deadline:
+                        results.append({"batch": B, "context": ctx, "page_size": P, "G": G,
+                                        "skipped": "time budget"})
+                        continue
+                    table, lengths = dense_view(B, ctx, P, G, gen)
+                    fn = lambda: da.decode_attention(q, k_cache, v_cache, table, lengths,  # noqa: E731
+                                                     P, D ** -0.5)
+                    ms, graph_ms = bench_ms(fn), bench_graph_ms(fn)
+                    row = {"batch": B, "context": ctx, "page_size": P, "G": G,
+                           "eager_ms": round(ms, 4), "graph_ms": round(graph_ms, 4),
+                           "kv_tbps": round(kv_bytes(B, ctx) / graph_ms / 1e9, 3),
+                           "eager_kv_tbps": round(kv_bytes(B, ctx) / ms / 1e9, 3),
+                           "splits": da.num_splits(B, HKV, ctx // P, P, q.device)}
+                    results.append(row)
+                    print("decode", row, flush=True)
+                    del table, lengths
+            del k_cache, v_cache
+            if DEV == "cuda":
+                torch.cuda.empty_cache()
+
+
+def sweep_splits(results, gen, cases):
+    """Graph-timed decode for several PROGRAMS_PER_SM values (the split-count heuristic)."""
+    keep = da.PROGRAMS_PER_SM
+    for B, ctx in cases:
+        k_cache = torch.randn(B * ctx, HKV, D, device=DEV, dtype=torch.bfloat16, generator=gen)
+        v_cache = torch.randn_like(k_cache)
+        q = torch.randn(B, HQ, D, device=DEV, dtype=torch.bfloat16, generator=gen)
+        table, lengths = dense_view(B, ctx, 16, 1, gen)
+        row = {"batch": B, "context": ctx}
+        for pps in (1, 2, 3, 4, 6, 8, 12, 16):
+            da.PROGRAMS_PER_SM = pps
+            ms = bench_graph_ms(lambda: da.decode_attention(q, k_cache, v_cache, table, lengths,
+                                                            16, D ** -0.5))
+            row[f"pps{pps}_splits"] = da.num_splits(B, HKV, ctx // 16, 16, q.device)
+            row[f"pps{pps}_tbps"] = round(kv_bytes(B, ctx) / ms / 1e9, 3)
+        results.append(row)
+        print("splits sweep", row, flush=True)
+        del k_cache, v_cache, table
+    da.PROGRAMS_PER_SM = keep
+
+
+def bench_fused(results, gen, token_counts):
+    bf = torch.bfloat16
+
+    def add(op, T, ref, fused, ref_capturable=True):
+        ref_ms, fused_ms = bench_ms(ref), bench_ms(fused)
+        row = {"op": op, "tokens": T, "ref_ms": round(ref_ms, 5), "triton_ms": round(fused_ms, 5),
+               "speedup": round(ref_ms / fused_ms, 2)}
+        if DEV == "cuda":   # in a graph, without launch overhead
+            row["triton_graph_ms"] = round(bench_graph_ms(fused), 5)
+            if ref_capturable:
+                row["ref_graph_ms"] = round(bench_graph_ms(ref), 5)
+                row["graph_speedup"] = round(row["ref_graph_ms"] / row["triton_graph_ms"], 2)
+        results.append(row)
+        print("fused", row, flush=True)
+
+    for T in token_counts:
+        x = torch.randn(T, 4096, device=DEV, dtype=bf, generator=gen)
+        res, w = torch.randn_like(x), torch.randn(4096, device=DEV, dtype=bf, generator=gen)
+        add("rms_norm+residual", T, lambda: rmsnorm.rms_norm_ref(x, w, 1e-5, res),
+            lambda: rmsnorm.rms_norm_triton(x, w, 1e-5, res))
+        add("rms_norm", T, lambda: rmsnorm.rms_norm_ref(x, w, 1e-5),
+            lambda: rmsnorm.rms_norm_triton(x, w, 1e-5))
+        q = torch.randn(T, HQ, D, device=DEV, dtype=bf, generator=gen)
+        k = torch.randn(T, HKV, D, device=DEV, dtype=bf, generator=gen)
+        cache = torch.randn(131072, D, device=DEV, generator=gen)
+        pos = torch.randint(0, 131072, (T,), device=DEV, generator=gen)
+        add("apply_rope", T, lambda: rotary.apply_rope_ref(q, k, pos, cache),
+            lambda: rotary.apply_rope_triton(q, k, pos, cache))
+        xm = torch.randn(T, 2 * 14336, device=DEV, dtype=bf, generator=gen)
+        add("silu_and_mul", T, lambda: silu_mul.silu_and_mul_ref(xm),
+            lambda: silu_mul.silu_and_mul_triton(xm))
+        kc = torch.zeros(4 * T + 64, HKV, D, device=DEV, dtype=bf)
+        vc = torch.zeros_like(kc)
+        slots = torch.randperm(kc.shape[0], device=DEV, generator=gen)[:T]
+        add("store_kv", T, lambda: kv_store.store_kv_ref(k, k, kc, vc, slots),
+            lambda: kv_store.store_kv_triton(k, k, kc, vc, slots),
+            ref_capturable=False)   # its boolean-mask indexing syncs with the host
+
+
+def gather_sdpa(q, k_cache, v_cache, block_tables, context_len, page_size, scale):
+    """The naive paged-prefix path: gather the context's K/V, then masked SDPA."""
+    n = q.shape[0]
+    pos = torch.arange(context_len, device=q.device)
+    slots = block_tables[0, pos // page_size].long() * page_size + pos % page_size
+    k = k_cache[slots].transpose(0, 1).repeat_interleave(HQ // HKV, dim=0)
+    v = v_cache[slots].transpose(0, 1).repeat_interleave(HQ // HKV, dim=0)
+    mask = pos.view(1, -1) <= torch.arange(context_len - n, context_len, device=q.device).view(n, 1)
+    return torch.nn.functional.scaled_dot_product_attention(q.transpose(0, 1), k, v, attn_mask=mask,
+                                                            scale=scale)
+
+
+def sweep_prefill(results, gen, chunk, ctx):
+    """Launch settings of the paged-prefix kernel on one chunk over ctx; leaves the best in the module."""
+    bf, P = torch.bfloat16, 16
+    k_cache = torch.randn(ctx, HKV, D, device=DEV, dtype=bf, generator=gen)
+    v_cache = torch.randn_like(k_cache)
+    bt = torch.randperm(ctx // P, device=DEV, generator=gen).int().view(1, -1)
+    q = torch.randn(chunk, HQ, D, device=DEV, dtype=bf, generator=gen)
+    cu = torch.tensor([0, chunk], dtype=torch.int32, device=DEV)
+    lens = torch.tensor([ctx], dtype=torch.int32, device=DEV)
+    best = None
+    for bm, bn, warps, stages in [(64, 64, 4, 2), (64, 64, 4, 3), (128, 64, 8, 2), (128, 64, 8, 3),
+                                  (128, 32, 4, 2), (64, 32, 4, 3), (128, 128, 8, 2)]:
+        pa.BLOCK_M, pa.BLOCK_N, pa.NUM_WARPS, pa.NUM_STAGES = bm, bn, warps, stages
+        row = {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": warps, "num_stages": stages}
+        try:
+            row["ms"] = round(bench_ms(lambda: pa.prefill_attention_triton(
+                q, k_cache, v_cache, bt, cu, lens, P, 0.1, chunk)), 4)
+        except Exception as e:
+            row["error"] = str(e)[:200]
+        results.append(row)
+        print("prefill sweep", row, flush=True)
+        if "ms" in row and (best is None or row["ms"] < best["ms"]):
+            best = row
+    pa.BLOCK_M, pa.BLOCK_N, pa.NUM_WARPS, pa.NUM_STAGES = (
+        best["BLOCK_M"], best["BLOCK_N"], best["num_warps"], best["num_stages"])
+    return best
+
+
+def bench_prefill(results, gen, chunk, contexts):
+    bf, P = torch.bfloat16, 16
+    for ctx in contexts:
+        N = ctx // P
+        k_cache = torch.randn(ctx, HKV, D, device=DEV, dtype=bf, generator=gen)
+        v_cache = torch.randn_like(k_cache)
+        bt = torch.randperm(N, device=DEV, generator=gen).int().view(1, N)
+        q = torch.randn(chunk, HQ, D, device=DEV, dtype=bf, generator=gen)
+        cu = torch.tensor([0, chunk], dtype=torch.int32, device=DEV)
+        lens = torch.tensor([ctx], dtype=torch.int32, device=DEV)
+        tri = bench_ms(lambda: pa.prefill_attention_triton(q, k_cache, v_cache, bt, cu, lens, P, 0.1, chunk))
+        ref = bench_ms(lambda: gather_sdpa(q, k_cache, v_cache, bt, ctx, P, 0.1))
+        flops = 4 * chunk * (ctx - chunk / 2) * D * HQ
+        row = {"case": "paged prefix", "chunk": chunk, "context": ctx, "triton_ms": round(tri, 4),
+               "gather_sdpa_ms": round(ref, 4), "speedup": round(ref / tri, 2),
+               "triton_tflops": round(flops / tri / 1e9, 1)}
+        results.append(row)
+        print("prefill", row, flush=True)
+    # No prefix: the FlashAttention backend the dispatcher picks vs the paged Triton kernel.
+    B = 4
+    k = torch.randn(B * chunk, HKV, D, device=DEV, dtype=bf, generator=gen)
+    v = torch.randn_like(k)
+    q = torch.randn(B * chunk, HQ, D, device=DEV, dtype=bf, generator=gen)
+    cu = torch.arange(0, B * chunk + 1, chunk, dtype=torch.int32, device=DEV)
+    bt = torch.arange(B * chunk // P, device=DEV, dtype=torch.int32).view(B, chunk // P)
+    lens = torch.full((B,), chunk, dtype=torch.int32, device=DEV)
+    var = bench_ms(lambda: pa.varlen_attention(q, k, v, cu, chunk, 0.1))
+    tri = bench_ms(lambda: pa.prefill_attention_triton(q, k, v, bt, cu, lens, P, 0.1, chunk))
+    flops = B * 2 * chunk * chunk * D * HQ
+    row = {"case": "no prefix", "chunks": B, "chunk": chunk, "varlen_ms": round(var, 4),
+           "triton_ms": round(tri, 4), "varlen_tflops": round(flops / var / 1e9, 1),
+           "triton_tflops": round(flops / tri / 1e9, 1),
+           "varlen_backend": ("torch varlen_attn" if pa._torch_varlen_attn is not None
+                              else "flash_attn" if pa._flash_varlen is not None else "reference"),
+           "varlen_failed": sorted(pa._varlen_broken), "varlen_params": sorted(pa._VARLEN_PARAMS)}
+    results.append(row)
+    print("prefill", row, flush=True)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True, help="JSON file to write")
+    ap.add_argument("--budget-s", type=float, default=240.0,
+                    help="stop starting new decode cases after this many seconds")
+    ap.add_argument("--sweep", action="store_true",
+                    help="sweep the decode and prefill launch settings first and use the best")
+    ap.add_argument("--sweep-splits", action="store_true",
+                    help="also time decode for several split-count heuristics (PROGRAMS_PER_SM)")
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes, to check the script")
+    args = ap.parse_args()
+    start = time.time()
+    args.deadline = start + args.budget_s
+    gen = torch.Generator(device=DEV).manual_seed(0)
+    report = {"device": torch.cuda.get_device_name() if DEV == "cuda" else platform.processor(),
+              "torch": torch.__version__, "triton": triton.__version__,
+              "python": sys.version.split()[0]}
+
+    def save():
+        report["elapsed_s"] = round(time.time() - start, 1)
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=1)
+
+    try:
+        run(args, report, gen, save)
+    finally:
+        save()
+    print("wrote", args.out, flush=True)
+
+
+def run(args, report, gen, save):
+    report["copy_tbps"] = round(copy_bandwidth(), 3) if DEV == "cuda" else None
+    print("device copy TB/s", report["copy_tbps"], flush=True)
+    if args.smoke:
+        batches, contexts, tokens, chunk, pctx = (2,), (256,), (3,), 64, (128,)
+    else:
+        batches, contexts, tokens = (1, 4, 32), (4096, 32768, 131072), (1, 64, 4096)
+        chunk, pctx = 2048, (8192, 32768)
+    report["decode_sweep"] = []
+    if args.sweep and not args.smoke:
+        report["decode_settings"] = sweep_decode(report["decode_sweep"], gen, 32768)
+    report["splits_sweep"] = []
+    if args.sweep_splits:
+        cases = [(1, 256), (2, 256)] if args.smoke else [
+            (1, 32768), (1, 131072), (4, 32768), (4, 131072), (32, 4096), (32, 32768)]
+        sweep_splits(report["splits_sweep"], gen, cases)
+        save()
+    report["decode_settings_used"] = {"BLOCK_N": da.BLOCK_N, "num_warps": da.NUM_WARPS,
+                                      "num_stages": da.NUM_STAGES,
+                                      "programs_per_sm": da.PROGRAMS_PER_SM}
+    save()
+    report["decode"] = []
+    bench_decode(report["decode"], gen, batches, contexts, args.deadline)
+    save()
+    report["fused"] = []
+    bench_fused(report["fused"], gen, tokens)
+    save()
+    report["prefill_sweep"] = []
+    if args.sweep and not args.smoke:
+        report["prefill_settings"] = sweep_prefill(report["prefill_sweep"], gen, chunk, 32768)
+    report["prefill"] = []
+    bench_prefill(report["prefill"], gen, chunk, pctx)
+
+
+if __name__ == "__main__":
+    main()
