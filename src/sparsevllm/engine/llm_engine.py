@@ -129,8 +129,8 @@ class LLMEngine:
         rows = [i for i, d in enumerate(done) if d]
         tokens = []
         if rows:
-            rows_t = torch.tensor(rows, device=logits.device)
-            sel = logits.index_select(0, rows_t)
+            sel = logits if len(rows) == len(done) else logits.index_select(
+                0, torch.tensor(rows, device=logits.device))
             seqs = [batch.seqs[i] for i in rows]
             tokens = sample(sel, [s.params for s in seqs], [self._seq_generators.get(s.seq_id) for s in seqs],
                             self.generator).tolist()

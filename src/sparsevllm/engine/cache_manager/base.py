@@ -161,6 +161,8 @@ class CacheManager:
         """Make room for num_new_tokens more stored tokens; False (nothing taken) if the pool is short."""
         table = self.block_tables[seq.seq_id]
         need = self.pages_for(seq.cache_len + num_new_tokens) - len(table)
+        if need <= 0:
+            return True
         if need > self.allocator.num_free:
             return False
         start = len(table)
@@ -197,33 +199,35 @@ class CacheManager:
 
     # ---- per step (model-runner-facing) -------------------------------------------------------
     def prepare_step(self, seqs: list[Sequence], num_tokens: list[int], is_prefill: bool) -> StepState:
-        P = self.page_size
-        input_ids, positions, slots, cu, ctx = [], [], [], [0], []
-        for seq, n in zip(seqs, num_tokens):
-            start = seq.num_computed_tokens
-            input_ids += seq.token_ids[start:start + n]
-            positions.append(np.arange(start, start + n))
-            stored = np.arange(seq.cache_len, seq.cache_len + n)
-            slots.append(self._table_arrays[seq.seq_id][stored // P].astype(np.int64) * P + stored % P)
-            cu.append(cu[-1] + n)
-            ctx.append(seq.cache_len + n)
+        P, B, T = self.page_size, len(seqs), sum(num_tokens)
         width = max(len(self.block_tables[s.seq_id]) for s in seqs)
-        tables = np.stack([self._table_arrays[s.seq_id][:width] for s in seqs])
-        dev = self.device
-
-        def t(x, dtype=torch.int32):
-            return torch.tensor(x, dtype=dtype, device=dev)
-
-        def np_t(x):
-            return torch.from_numpy(x).to(dev)
-
+        # Every integer input of the step goes into one host buffer and crosses to the device in one
+        # copy: per-tensor copies cost more than the decode step's own host work at small batch.
+        buf = np.empty(3 * T + 2 * B + 1 + B * width, dtype=np.int64)
+        ids, pos, slots = buf[:T], buf[T:2 * T], buf[2 * T:3 * T]
+        ctx, cu = buf[3 * T:3 * T + B], buf[3 * T + B:3 * T + 2 * B + 1]
+        tables = buf[3 * T + 2 * B + 1:].reshape(B, width)
+        cu[0], off = 0, 0
+        for i, (seq, n) in enumerate(zip(seqs, num_tokens)):
+            start = seq.num_computed_tokens
+            ids[off:off + n] = seq.token_ids[start:start + n]
+            pos[off:off + n] = np.arange(start, start + n)
+            stored = np.arange(seq.cache_len, seq.cache_len + n)
+            arr = self._table_arrays[seq.seq_id]
+            slots[off:off + n] = arr[stored // P].astype(np.int64) * P + stored % P
+            tables[i] = arr[:width]
+            ctx[i] = seq.cache_len + n
+            off += n
+            cu[i + 1] = off
+        dev_buf = torch.from_numpy(buf).to(self.device)
+        d_ctx, d_cu = dev_buf[3 * T:3 * T + B], dev_buf[3 * T + B:3 * T + 2 * B + 1]
         return StepState(
             is_prefill=is_prefill, seqs=seqs, num_tokens=list(num_tokens),
-            input_ids=t(input_ids, torch.int64), positions=np_t(np.concatenate(positions)),
-            slot_mapping=np_t(np.concatenate(slots)), block_tables=np_t(tables), context_lens=t(ctx),
-            cu_seqlens_q=t(cu), max_seqlen_q=max(num_tokens),
-            has_prefix=any(c != n for c, n in zip(ctx, num_tokens)),
-            logits_indices=t([c - 1 for c in cu[1:]], torch.int64))
+            input_ids=dev_buf[:T], positions=dev_buf[T:2 * T], slot_mapping=dev_buf[2 * T:3 * T],
+            block_tables=dev_buf[3 * T + 2 * B + 1:].view(B, width).to(torch.int32),
+            context_lens=d_ctx.to(torch.int32), cu_seqlens_q=d_cu.to(torch.int32), max_seqlen_q=max(num_tokens),
+            has_prefix=any(int(c) != n for c, n in zip(ctx, num_tokens)),
+            logits_indices=d_cu[1:] - 1)
 
     def graph_extras(self, max_batch_size: int) -> dict[str, torch.Tensor]:
         """Static buffers for the method's StepState.extras (first dim = batch), used by CUDA graphs."""

@@ -1,0 +1,154 @@
+"""quest: query-aware page selection at decode time (Tang et al., "Quest: Query-Aware Sparsity for
+Efficient Long-Context LLM Inference", ICML 2024, arXiv 2406.10774; code: mit-han-lab/Quest).
+
+What it computes. For every page (P tokens) of every layer and KV head, the channel-wise min and
+max of the stored post-RoPE keys, refreshed whenever a prefill chunk or a decode token is written
+into the page (the last, partial page in place). At each decode step and layer, page p of a
+request scores sum_c max(q_c * max_c, q_c * min_c), an upper bound on q . k for any key in the
+page; with a page budget n = max(3, token_budget // P) attention reads the current (last) page and
+the n - 1 other pages of highest score, in logical order. A request of <= n pages attends densely,
+and so do prefill and the first `quest_skip_layers` layers (the paper keeps layers 0 and 1 dense:
+their attention is not sparse enough for the bound to pick well). Nothing is evicted: Quest saves
+bandwidth, not memory (the metadata costs 2 / (2 P) = 1/P of the raw KV).
+
+Where we differ from the official code, and why:
+- GQA: the official kernels select a page set per query head. We select one set per KV head with
+  the bound summed over the query heads of its group (a DecodeView with G = H_kv), so the decode
+  kernel reads each selected KV page once for the whole group. `quest_shared_selection=True`
+  sums over all heads instead and shares one page set (G = 1).
+- The page size is the engine's KV page size (one knob, 16 by default as in the paper), so the
+  metadata is indexed by physical page: pages shared through the prefix cache share their
+  metadata, which is exact because their content is identical.
+- Layers below `quest_skip_layers` keep no metadata at all.
+"""
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from sparsevllm.config import EngineConfig, MethodConfig
+from sparsevllm.engine.cache_manager.base import CacheManager, DecodeView, StepState
+from sparsevllm.engine.sequence import Sequence
+from sparsevllm.kernels.quest import page_minmax, quest_scores
+from sparsevllm.method_registry import register_method
+
+
+@dataclass
+class QuestConfig(MethodConfig):
+    quest_token_budget: int = 2048          # tokens attended per decode step, current page included
+    quest_page_size: int | None = None      # None: the engine's page_size
+    quest_skip_layers: int = 2              # the first layers stay dense
+    quest_shared_selection: bool = False    # one page set for all KV heads (bound summed over all heads)
+
+    def validate(self, engine: EngineConfig) -> None:
+        p = self.quest_page_size
+        if p is not None:
+            if not isinstance(p, int) or isinstance(p, bool) or p < 1 or p & (p - 1):
+                raise ValueError(f"quest_page_size={p!r} is invalid; valid: None (the engine's page_size) "
+                                 "or a power of two >= 1")
+            # Quest pages are the engine's KV pages. An engine page_size left at its default follows
+            # the method; an explicit different one is a contradiction.
+            if engine.page_size == EngineConfig.__dataclass_fields__["page_size"].default:
+                engine.page_size = p
+            elif engine.page_size != p:
+                raise ValueError(f"quest_page_size={p} contradicts page_size={engine.page_size}: Quest pages "
+                                 "are the KV pages; set one of them, or both to the same value")
+        b = self.quest_token_budget
+        page = engine.page_size if isinstance(engine.page_size, int) else 1
+        if not isinstance(b, int) or isinstance(b, bool) or b < page:
+            raise ValueError(f"quest_token_budget={b!r} is invalid; valid: an integer >= page_size ({page})")
+        s = self.quest_skip_layers
+        if not isinstance(s, int) or isinstance(s, bool) or s < 0:
+            raise ValueError(f"quest_skip_layers={s!r} is invalid; valid: an integer >= 0")
+        shared = self.quest_shared_selection
+        if not isinstance(shared, bool):
+            raise ValueError(f"quest_shared_selection={shared!r} is invalid; valid: True | False")
+
+
+def select_pages(scores: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
+                 page_size: int, budget_pages: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quest's decode view from page scores. scores: [B, G, N] (-inf where not a candidate),
+    block_tables: [B, N] with N > budget_pages, context_lens: [B] -> (table [B, G, n], lengths [B, G]).
+
+    Row (b, g) gets its top n - 1 scored pages in logical order, then the current page; a row of
+    <= n pages gets all its pages. Only static shapes and tensor ops: it runs inside CUDA graphs.
+    """
+    B, G, N = scores.shape
+    n, P = budget_pages, page_size
+    ctx = context_lens.long()
+    current = (ctx - 1) // P
+    # A row with more than n pages has at least n candidates, so the top n - 1 are all real pages.
+    top = scores.topk(n - 1, dim=-1, sorted=False).indices.sort(dim=-1).values
+    tables = block_tables.unsqueeze(1).expand(B, G, N)
+    last = block_tables.gather(1, current.unsqueeze(1)).unsqueeze(1).expand(B, G, 1)
+    sparse = torch.cat([tables.gather(2, top), last], dim=2)
+    dense = current < n
+    table = torch.where(dense.view(B, 1, 1), tables[:, :, :n], sparse).to(torch.int32).contiguous()
+    # Sparse rows: n - 1 full pages plus the filled part of the current page.
+    lengths = torch.where(dense, ctx, ctx - (current - (n - 1)) * P)
+    return table, lengths.to(torch.int32).view(B, 1).expand(B, G).contiguous()
+
+
+@register_method("quest")
+class QuestCacheManager(CacheManager):
+    config_cls = QuestConfig
+
+    def __init__(self, config: EngineConfig, num_layers: int, num_kv_heads: int, head_dim: int,
+                 num_pages: int, dtype: torch.dtype, device: torch.device):
+        super().__init__(config, num_layers, num_kv_heads, head_dim, num_pages, dtype, device)
+        mc = self.method_config
+        self.skip_layers = min(mc.quest_skip_layers, num_layers)
+        self.budget_pages = max(3, mc.quest_token_budget // self.page_size)
+        self.shared = mc.quest_shared_selection
+        # Indexed by physical page; min/max of stored values are exact in the model dtype.
+        shape = (num_layers - self.skip_layers, num_pages, num_kv_heads, head_dim)
+        self.kmin = torch.zeros(shape, dtype=dtype, device=device)
+        self.kmax = torch.zeros(shape, dtype=dtype, device=device)
+
+    @classmethod
+    def bytes_per_page(cls, config: EngineConfig, num_layers, num_kv_heads, head_dim, dtype) -> int:
+        sparse_layers = max(0, num_layers - config.method_config.quest_skip_layers)
+        meta = 2 * sparse_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+        return super().bytes_per_page(config, num_layers, num_kv_heads, head_dim, dtype) + meta
+
+    def memory_accounting(self) -> dict:
+        acc = super().memory_accounting()
+        acc["metadata_bytes"] = self.kmin.nbytes + self.kmax.nbytes
+        return acc
+
+    def prepare_step(self, seqs: list[Sequence], num_tokens: list[int], is_prefill: bool) -> StepState:
+        step = super().prepare_step(seqs, num_tokens, is_prefill)
+        if is_prefill:
+            step.extras["quest_last_slots"] = self._last_slots(seqs, num_tokens)
+        return step
+
+    def _last_slots(self, seqs: list[Sequence], num_tokens: list[int]) -> torch.Tensor:
+        """Per page a prefill step writes into, the slot of the last token it writes there."""
+        P, out = self.page_size, []
+        for seq, n in zip(seqs, num_tokens):
+            start, end = seq.cache_len, seq.cache_len + n
+            pages = np.arange(start // P, (end - 1) // P + 1)
+            last_pos = np.minimum((pages + 1) * P, end) - 1
+            out.append(self._table_arrays[seq.seq_id][pages].astype(np.int64) * P + last_pos % P)
+        return torch.from_numpy(np.concatenate(out)).to(self.device)
+
+    def on_kv_stored(self, layer_id: int, k: torch.Tensor, v: torch.Tensor, step: StepState) -> None:
+        if layer_id < self.skip_layers:
+            return
+        # Decode writes one token per request, so its slot names the page and the valid count
+        # (padding rows hold -1); prefill names its touched pages through prepare_step.
+        last = step.extras["quest_last_slots"] if step.is_prefill else step.slot_mapping
+        i = layer_id - self.skip_layers
+        page_minmax(self.pool.layer(layer_id)[0], last, self.kmin[i], self.kmax[i], self.page_size)
+
+    def build_decode_view(self, layer_id: int, q: torch.Tensor, step: StepState) -> DecodeView:
+        # A static-shape branch: in CUDA graphs the table width is max_model_len / P.
+        if layer_id < self.skip_layers or step.block_tables.shape[1] <= self.budget_pages:
+            return super().build_decode_view(layer_id, q, step)
+        i = layer_id - self.skip_layers
+        scores = quest_scores(q, self.kmin[i], self.kmax[i], step.block_tables, step.context_lens,
+                              self.page_size, self.shared)
+        table, lengths = select_pages(scores, step.block_tables, step.context_lens, self.page_size,
+                                      self.budget_pages)
+        k_cache, v_cache = self.pool.layer(layer_id)
+        return DecodeView(k_cache, v_cache, table, lengths, self.page_size)

@@ -1,0 +1,252 @@
+"""snapkv: keep the prompt tokens the last prompt queries attend to, evict the rest, once.
+
+Paper: SnapKV, "LLM Knows What You are Looking for Before Generation" (arXiv 2404.14469); official
+code FasterDecoding/SnapKV. When the last prefill chunk of a prompt of L > C tokens has run, in
+every layer:
+    score[h, j] = mean over the query heads of KV group h of
+                  sum over window queries i of softmax_j(q_i . k_j / sqrt(d))   (fp32, causal)
+for the w window queries (prompt positions L - w .. L - 1) and all L prompt keys (after RoPE);
+the prefix scores (j < L - w) are 1-D pooled (odd kernel k, stride 1, same padding; max or avg),
+the top C - w prefix tokens per KV head are kept together with the whole window, and everything
+else is evicted: the kept K/V move into ceil(C / P) fresh pages (slot i of head h holds head h's
+i-th kept token, so one block table serves every head and decode is the dense default), the prompt
+pages are released. Decode appends after the C kept tokens; RoPE positions stay logical
+(seq.num_computed_tokens = L + t), only seq.cache_len shrinks. No further eviction during decode
+(official). Prompts of L <= C are untouched: outputs equal vanilla's.
+
+Defaults (official LongBench configs): C = 2048, w = 32, k = 7, max pooling.
+
+Deviations from the official code:
+- GQA: the official code selects per query head after repeat_kv, which stores H_q / H_kv copies
+  of the kept KV. We select per KV head with the window scores averaged over the group's query
+  heads (as kvpress does), so the cache keeps its GQA size.
+- The summed window probabilities stay fp32 through pooling and top-k (the official code casts
+  the softmax back to the model dtype first); ties in top-k are broken by torch.topk.
+- The scores use the model's 1/sqrt(head_dim) attention scale (observe_prefill_queries does not
+  receive the layer's scale; every supported architecture uses that scale).
+
+Engine interplay:
+- Chunked prefill: the prompt stays raw until its last chunk; `chunk_size` keeps the whole window
+  in that chunk and makes it end exactly at the prompt's end. If a step has too little token budget
+  left for the window, the request gets 0 tokens in that step.
+- Prefix caching: raw prompt pages are named and shared as usual, but prefix hits of a long prompt
+  stop before its window (the window's queries must be recomputed). The prompt's full raw pages are
+  named before they are released, so a later identical prompt still hits them. Compacted pages are
+  never named (commit names only raw caches) and compaction never writes into a shared page.
+- Preemption: a preempted request is recomputed from prompt + generated tokens. The chunk that ends
+  at the prompt's end compacts exactly as the first time; the generated tokens are then prefilled
+  over the compacted cache, which is the attention they had in decode, so outputs stay the same up
+  to floating-point order (not guaranteed bit-exact: prefill and decode kernels sum differently).
+"""
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+from sparsevllm.config import EngineConfig, MethodConfig
+from sparsevllm.engine.cache_manager.base import CacheManager, StepState
+from sparsevllm.engine.kv_pool import page_hash
+from sparsevllm.engine.sequence import Sequence
+from sparsevllm.kernels.snapkv import select_kept, window_scores
+from sparsevllm.method_registry import register_method
+
+logger = logging.getLogger(__name__)
+
+POOLINGS = ("max", "avg")
+
+
+@dataclass
+class SnapKVConfig(MethodConfig):
+    snapkv_capacity: int = 2048      # C: tokens kept per KV head, window included
+    snapkv_window_size: int = 32     # w: observation window (last prompt queries), always kept
+    snapkv_kernel_size: int = 7      # k: pooling kernel over positions (odd)
+    snapkv_pooling: str = "max"      # max | avg
+
+    def validate(self, engine: EngineConfig) -> None:
+        def need(ok, knob, valid):
+            if not ok:
+                raise ValueError(f"{knob}={getattr(self, knob)!r} is invalid; valid: {valid}")
+
+        def is_int(x):
+            return isinstance(x, int) and not isinstance(x, bool)
+        need(is_int(self.snapkv_window_size) and self.snapkv_window_size >= 1, "snapkv_window_size",
+             "an integer >= 1")
+        need(is_int(self.snapkv_capacity) and self.snapkv_capacity > self.snapkv_window_size, "snapkv_capacity",
+             f"an integer > snapkv_window_size ({self.snapkv_window_size})")
+        need(is_int(self.snapkv_kernel_size) and self.snapkv_kernel_size >= 1 and self.snapkv_kernel_size % 2 == 1,
+             "snapkv_kernel_size", "an odd integer >= 1")
+        need(self.snapkv_pooling in POOLINGS, "snapkv_pooling", " | ".join(POOLINGS))
+        # The window must fit one prefill chunk, or a long prompt could never finish its prefill.
+        for knob in ("chunk_prefill_size", "max_num_batched_tokens"):
+            value = getattr(engine, knob)
+            if is_int(value) and value < self.snapkv_window_size:
+                raise ValueError(f"{knob}={value} is smaller than snapkv_window_size={self.snapkv_window_size}; "
+                                 "the observation window must fit in one prefill chunk")
+
+
+@dataclass
+class _Compaction:
+    """A request whose prompt ends in this prefill step: its window rows and per-layer kept positions."""
+    seq: Sequence
+    index: int           # the request's row in the step's block tables
+    row_end: int         # one past its last query row in the step's q
+    window: int
+    kept: list[torch.Tensor] = field(default_factory=list)   # per layer [H_kv, C] int64
+
+
+@register_method("snapkv")
+class SnapKVCacheManager(CacheManager):
+    config_cls = SnapKVConfig
+
+    def __init__(self, config: EngineConfig, num_layers: int, num_kv_heads: int, head_dim: int,
+                 num_pages: int, dtype: torch.dtype, device: torch.device):
+        super().__init__(config, num_layers, num_kv_heads, head_dim, num_pages, dtype, device)
+        mc = self.method_config
+        self.capacity, self.window = mc.snapkv_capacity, mc.snapkv_window_size
+        self.kernel_size, self.pooling = mc.snapkv_kernel_size, mc.snapkv_pooling
+        self.scale = head_dim ** -0.5
+        self._pending: list[_Compaction] = []
+        self._pending_step: StepState | None = None
+        self._compacted_now: set[int] = set()   # compacted by this step's on_step_end, not yet committed
+        self._evicted: dict[int, int] = {}      # live request -> tokens it evicted
+        self.num_compactions = 0
+        self.evicted_tokens_total = 0
+
+    def _evicts(self, seq: Sequence) -> bool:
+        return seq.num_prompt_tokens > self.capacity
+
+    # ---- scheduler-facing ------------------------------------------------------------------------
+    def chunk_size(self, seq: Sequence, max_tokens: int) -> int:
+        n = min(seq.num_uncomputed_tokens, max_tokens)
+        start, end = seq.num_computed_tokens, seq.num_prompt_tokens
+        if not self._evicts(seq) or start >= end:
+            return n
+        n = min(n, end - start)   # the compacting chunk ends exactly at the prompt's end
+        window_start = end - self.window
+        if start < window_start < start + n < end:
+            n = window_start - start   # stop before the window: the next chunk holds all of it
+        elif start == window_start and n < self.window:
+            n = 0                      # the window does not fit this step's budget: wait
+        return n
+
+    def _cached_prefix(self, seq: Sequence) -> list[int]:
+        pages = super()._cached_prefix(seq)
+        if self._evicts(seq):
+            # Hits may not reach into the window: its queries are needed to score the prompt.
+            pages = pages[:(seq.num_prompt_tokens - self.window) // self.page_size]
+        return pages
+
+    def free(self, seq: Sequence) -> None:
+        super().free(seq)
+        self._evicted.pop(seq.seq_id, None)
+        self._compacted_now.discard(seq.seq_id)
+
+    def commit(self, seq: Sequence, num_new_tokens: int) -> None:
+        if seq.seq_id in self._compacted_now:
+            # on_step_end already set cache_len = C; the logical length still advances to L.
+            self._compacted_now.discard(seq.seq_id)
+            seq.num_computed_tokens += num_new_tokens
+            return
+        super().commit(seq, num_new_tokens)
+
+    def memory_accounting(self) -> dict:
+        acc = super().memory_accounting()
+        evicted = sum(self._evicted.values())
+        acc.update(evicted_tokens=evicted, evicted_bytes=evicted * acc["kv_page_bytes"] // self.page_size,
+                   evicted_tokens_total=self.evicted_tokens_total, compactions=self.num_compactions)
+        return acc
+
+    # ---- per step --------------------------------------------------------------------------------
+    def prepare_step(self, seqs: list[Sequence], num_tokens: list[int], is_prefill: bool) -> StepState:
+        step = super().prepare_step(seqs, num_tokens, is_prefill)
+        self._pending, self._pending_step = [], step
+        if is_prefill:
+            row_end = 0
+            for i, (seq, n) in enumerate(zip(seqs, num_tokens)):
+                row_end += n
+                start = seq.num_computed_tokens
+                if self._evicts(seq) and start + n == seq.num_prompt_tokens and seq.cache_len == start:
+                    window = min(self.window, n)
+                    if window < self.window:  # chunk_size prevents this; prefix hits are capped too
+                        logger.warning("request %d: only %d of the %d window queries in its last prompt chunk",
+                                       seq.seq_id, window, self.window)
+                    self._pending.append(_Compaction(seq, i, row_end, window))
+        return step
+
+    def observe_prefill_queries(self, layer_id: int, q: torch.Tensor, step: StepState) -> None:
+        if step is not self._pending_step:
+            return
+        k_cache, _ = self.pool.layer(layer_id)
+        for c in self._pending:
+            scores = window_scores(q[c.row_end - c.window:c.row_end], k_cache, step.block_tables[c.index],
+                                   c.seq.num_prompt_tokens, self.page_size, self.scale)
+            # Select now rather than at step end: [H_kv, C] indices per layer instead of [H_kv, L] scores.
+            c.kept.append(select_kept(scores, c.window, self.capacity, self.kernel_size, self.pooling))
+
+    def on_step_end(self, step: StepState) -> None:
+        pending = self._pending if step is self._pending_step else []
+        self._pending, self._pending_step = [], None
+        for c in pending:
+            if len(c.kept) == self.num_layers:
+                self._compact(c.seq, torch.stack(c.kept))
+
+    # ---- compaction ------------------------------------------------------------------------------
+    def _name_raw_pages(self, seq: Sequence, start: int, end: int) -> None:
+        """Name the full raw pages of tokens [start, end) as commit would, before they are released:
+        a later request with the same prompt can then reuse them."""
+        if not self.prefix_caching:
+            return
+        P, table = self.page_size, self.block_tables[seq.seq_id]
+        for i in range(start // P, end // P):
+            prev = self.allocator.hash_of[table[i - 1]] if i > 0 else -1
+            if i > 0 and prev < 0:
+                break
+            self.allocator.register(table[i], page_hash(seq.token_ids[i * P:(i + 1) * P], prev))
+
+    def _compact(self, seq: Sequence, kept: torch.Tensor) -> None:
+        """kept: [num_layers, H_kv, C] ascending prompt positions. Move them to fresh pages, release the
+        prompt's pages, point the request at the new ones; cache_len = C, the logical length is untouched."""
+        L, C, P = seq.num_prompt_tokens, kept.shape[-1], self.page_size
+        old = self.block_tables[seq.seq_id]
+        need = self.pages_for(C)
+        releasable = sum(1 for p in old if self.allocator.refcount[p] == 1)
+        if self.allocator.num_free + releasable < need:
+            # Only when most of the prompt is a prefix shared with live requests and the pool is full.
+            logger.warning("request %d: no pages to compact its %d-token prompt into; it keeps its full cache",
+                           seq.seq_id, L)
+            return
+        self._name_raw_pages(seq, seq.cache_len, L)
+        dev = self.device
+        old_t = torch.tensor(old, dtype=torch.int64, device=dev)
+        src = (old_t[kept // P] * P + kept % P).transpose(1, 2)            # [layers, C, H_kv] old slots
+        heads = torch.arange(self.num_kv_heads, device=dev)
+        pos = torch.arange(C, device=dev)
+        if self.allocator.num_free >= need:
+            # Fresh pages first: old and new slots are disjoint, so copy layer by layer (small temporaries).
+            new = [self.allocator.allocate() for _ in range(need)]
+            dst = (torch.tensor(new, dtype=torch.int64, device=dev)[pos // P] * P + pos % P)[:, None]
+            for layer in range(self.num_layers):
+                k, v = self.pool.layer(layer)
+                k[dst, heads] = k[src[layer], heads]
+                v[dst, heads] = v[src[layer], heads]
+            for page in reversed(old):
+                self.allocator.release(page)
+        else:
+            # The pool is full: gather every layer first, since the new pages may be the released ones.
+            layers = torch.arange(self.num_layers, device=dev)[:, None, None]
+            k_kept, v_kept = self.pool.k[layers, src, heads], self.pool.v[layers, src, heads]
+            for page in reversed(old):
+                self.allocator.release(page)
+            new = [self.allocator.allocate() for _ in range(need)]
+            dst = (torch.tensor(new, dtype=torch.int64, device=dev)[pos // P] * P + pos % P)[None, :, None]
+            self.pool.k[layers, dst, heads] = k_kept
+            self.pool.v[layers, dst, heads] = v_kept
+        self.block_tables[seq.seq_id] = new
+        arr = self._table_arrays[seq.seq_id]
+        arr[:len(old)] = 0
+        arr[:need] = new
+        seq.cache_len = C
+        self._compacted_now.add(seq.seq_id)
+        self._evicted[seq.seq_id] = L - C
+        self.num_compactions += 1
+        self.evicted_tokens_total += L - C
