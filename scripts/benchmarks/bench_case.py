@@ -14,6 +14,10 @@ import numpy as np
 DECODE_WARMUP_STEPS = 4
 
 
+class KVCapacityError(RuntimeError):
+    """The case cannot hold all its requests at once, so no stable decode window exists."""
+
+
 # every row carries these keys; a failed case has them as None
 METRIC_KEYS = ("ttft_mean_s", "ttft_max_s", "prefill_tok_s", "decode_tok_s", "itl_p50_ms", "itl_p99_ms",
                "decode_window_tokens", "decode_window_s", "concurrent", "decoded_tokens", "execution_mode",
@@ -197,10 +201,14 @@ def run_hf_case(case: dict) -> dict:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, StoppingCriteria, StoppingCriteriaList
 
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    knobs = case["engine_kwargs"]
+    device = knobs.get("device", "auto")
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
+    # the engine's defaults: bf16 on a GPU, fp32 on a CPU
+    dtype = knobs.get("dtype", "auto")
+    dtype = getattr(torch, dtype) if dtype != "auto" else torch.bfloat16 if device == "cuda" else torch.float32
     hf_cfg = AutoConfig.from_pretrained(case["model_dir"])
-    torch.manual_seed(case["seed"])
+    torch.manual_seed(knobs.get("seed", 0))
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(hf_cfg, dtype=dtype, attn_implementation="sdpa").eval()
 
@@ -240,10 +248,6 @@ def run_hf_case(case: dict) -> dict:
     result.update(decoded_tokens=decoded, expected_decoded_tokens=case["batch"] * case["output_len"],
                   **_memory(torch))
     return result
-
-
-class KVCapacityError(RuntimeError):
-    """The case cannot hold all its requests at once, so no stable decode window exists."""
 
 
 def run_case_file(path: str) -> int:

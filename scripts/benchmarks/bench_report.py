@@ -57,6 +57,12 @@ def summary_markdown(rows: list[dict], header: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _length_label(n: int) -> str:
+    if n % 1024 == 0:
+        return f"{n // 1024}K"
+    return f"{n / 1000:g}k" if n >= 1000 else str(n)
+
+
 def plot(rows: list[dict], path: str, title: str) -> None:
     """Decode tok/s against prompt length, one line per method, one panel per batch size; vanilla's
     roofline dashed (GPU runs). Failed cases are left out of the lines."""
@@ -75,12 +81,15 @@ def plot(rows: list[dict], path: str, title: str) -> None:
                 ax.plot(*zip(*pts), marker="o", label=method)
         # the roofline uses a GPU's bandwidth; next to CPU figures it would only flatten the plot
         roof = sorted({(r["length"], r["roofline_tok_s"]) for r in here if r["method"] == "vanilla"
-                       and r.get("roofline_tok_s") and (r.get("environment") or {}).get("gpu")})
+                       and r["status"] == "ok" and (r.get("environment") or {}).get("gpu")})
         if roof:
             ax.plot(*zip(*roof), linestyle="--", color="grey", label="vanilla roofline")
+        failed = sorted({r["length"] for r in here if r["status"] != "ok"})
+        if failed:
+            ax.scatter(failed, [0] * len(failed), marker="x", color="red", zorder=3, label="failed (see summary)")
         ax.set_xscale("log", base=2)
         lengths = sorted({r["length"] for r in here})
-        ax.set_xticks(lengths, [f"{n / 1024:.3g}K" if n >= 1024 else str(n) for n in lengths])
+        ax.set_xticks(lengths, [_length_label(n) for n in lengths])
         ax.set_ylim(bottom=0)
         ax.set_title(f"batch {batch}")
         ax.set_xlabel("prompt length (tokens)")

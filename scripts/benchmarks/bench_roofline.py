@@ -3,9 +3,11 @@
 A decode step reads every weight once plus the KV it attends to (BENCHMARKS.md):
     step_time >= (weight_bytes + sum over requests of kv_bytes_read) / hbm_bandwidth
     tokens/s = batch / step_time
-`kv_tokens_read` and `kv_tokens_stored` are the per-method hooks: a sparse method adds its entry to
-KV_TOKENS_READ / KV_TOKENS_STORED (how many tokens one decode step reads, how many a request keeps
-in the device pool). A method without an entry is treated as dense, and the row says so.
+`kv_tokens_read` and `kv_tokens_stored` are the per-method hooks: a method adds its entry to
+KV_TOKENS_READ / KV_TOKENS_STORED (KV tokens one decode step of one request reads, averaged over
+layers and counting metadata in token-sized units; device KV tokens one request holds at its peak).
+A method without an entry is treated as dense, and the row says so. `knobs` is the method's resolved
+configuration, flat: engine knobs and method knobs with their defaults filled in.
 """
 from typing import Callable
 
@@ -13,22 +15,37 @@ from typing import Callable
 DEFAULT_HBM_BW = 4.23e12
 
 
-def _dense_read(knobs: dict, context_len: int) -> int:
+def _dense_read(knobs: dict, cfg: dict, prompt_len: int, context_len: int) -> float:
     return context_len
+
+
+def _quest_read(knobs: dict, cfg: dict, prompt_len: int, context_len: int) -> float:
+    """Quest: the first quest_skip_layers layers read everything; the others read the page bounds
+    (a min and a max key per page: context/P token-equivalents of K+V) plus the budget."""
+    layers, skip = cfg["num_hidden_layers"], min(knobs["quest_skip_layers"], cfg["num_hidden_layers"])
+    sparse = min(knobs["quest_token_budget"], context_len) + context_len / knobs["page_size"]
+    return (skip * context_len + (layers - skip) * sparse) / layers
+
+
+def _snapkv_read(knobs: dict, cfg: dict, prompt_len: int, context_len: int) -> float:
+    """SnapKV: after prefill a request keeps snapkv_capacity prompt tokens; decode tokens append."""
+    return min(prompt_len, knobs["snapkv_capacity"]) + (context_len - prompt_len)
 
 
 def _dense_stored(knobs: dict, length: int, output_len: int) -> int:
     return length + output_len
 
 
-# method -> f(method knobs, context_len) -> tokens one decode step of one request reads
-KV_TOKENS_READ: dict[str, Callable[[dict, int], float]] = {"vanilla": _dense_read}
-# method -> f(method knobs, prompt length, output_len) -> device KV tokens one request holds at its peak
-KV_TOKENS_STORED: dict[str, Callable[[dict, int, int], int]] = {"vanilla": _dense_stored}
+# method -> f(knobs, model config, prompt_len, context_len) -> KV tokens one decode step of one request reads
+KV_TOKENS_READ: dict[str, Callable[[dict, dict, int, int], float]] = {
+    "vanilla": _dense_read, "hf": _dense_read, "quest": _quest_read, "snapkv": _snapkv_read}
+# method -> f(knobs, prompt length, output_len) -> device KV tokens one request holds at its peak.
+# SnapKV has none: its peak depends on when eviction runs relative to the other requests' prefill.
+KV_TOKENS_STORED: dict[str, Callable[[dict, int, int], int]] = {"vanilla": _dense_stored, "quest": _dense_stored}
 
 
-def kv_tokens_read(method: str, knobs: dict, context_len: int) -> float:
-    return KV_TOKENS_READ.get(method, _dense_read)(knobs, context_len)
+def kv_tokens_read(method: str, knobs: dict, cfg: dict, prompt_len: int, context_len: int) -> float:
+    return KV_TOKENS_READ.get(method, _dense_read)(knobs, cfg, prompt_len, context_len)
 
 
 def kv_tokens_stored(method: str, knobs: dict, length: int, output_len: int) -> int | None:
@@ -38,7 +55,7 @@ def kv_tokens_stored(method: str, knobs: dict, length: int, output_len: int) -> 
 
 
 def roofline_model(method: str) -> str:
-    return "method" if method in KV_TOKENS_READ else "dense (method has no kv_tokens_read entry)"
+    return method if method in KV_TOKENS_READ else "dense (method has no kv_tokens_read entry)"
 
 
 def _head_dim(cfg: dict) -> int:
@@ -69,7 +86,7 @@ def roofline(cfg: dict, dtype_bytes: int, method: str, knobs: dict, batch: int, 
     produces token i attends to length + i tokens."""
     w = weight_bytes(cfg, dtype_bytes)
     per_tok = kv_bytes_per_token(cfg, dtype_bytes)
-    steps = [(w + batch * per_tok * kv_tokens_read(method, knobs, length + i)) / hbm_bw
+    steps = [(w + batch * per_tok * kv_tokens_read(method, knobs, cfg, length, length + i)) / hbm_bw
              for i in range(max(output_len, 1))]
     step_time = sum(steps) / len(steps)
     return {"roofline_tok_s": batch / step_time, "roofline_step_ms": step_time * 1e3,

@@ -8,6 +8,7 @@ becomes that case's status and the sweep goes on. Results: <out_dir>/results.jso
 row per case), summary.md and plot.png (this run's cases). See BENCHMARKS.md for the protocol.
 """
 import argparse
+import dataclasses
 import importlib.util
 import json
 import os
@@ -28,6 +29,7 @@ import bench_roofline  # noqa: E402
 # knobs the benchmark sets itself, per case
 RESERVED_KNOBS = {"model": "--model_path", "vllm_sparse_method": "--methods", "sparse_method": "--methods"}
 BASELINES = ("hf",)
+CHILD_FLAG = "--_run_case"  # not in --help: only this script starts case processes
 
 
 def presets_dir() -> str:
@@ -63,9 +65,13 @@ def build_parser() -> argparse.ArgumentParser:
         description="Sparse-vLLM throughput benchmark: TTFT, prefill and decode tok/s, ITL, memory and the "
                     "memory-bandwidth roofline per (method, length, batch), each case in its own process.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--model_path", default="tiny",
-                   help="a Hugging Face model folder (config.json + safetensors), or a shipped preset with random "
-                        "weights: llama-3.1-8b, qwen3-8b, qwen3-0.6b (real shapes), tiny (a small Llama for CPU)")
+    try:
+        presets = ", ".join(available_presets())
+    except ValueError:
+        presets = "(sparsevllm not importable)"
+    p.add_argument("--model_path", required=True,
+                   help="a Hugging Face model folder (config.json + safetensors), or a shipped preset run with "
+                        f"random weights at its real shape: {presets} (tiny is a small Llama for CPU smoke runs)")
     p.add_argument("--methods", default="vanilla",
                    help="comma-separated registered sparse methods; vanilla is the speed-up reference")
     p.add_argument("--lengths", default="4096", help="comma-separated prompt lengths in tokens (4k = 4096)")
@@ -84,17 +90,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also run Hugging Face transformers generate (SDPA, random weights, same prompts) as "
                         "method 'hf'")
     p.add_argument("--hbm_bw", type=float, default=bench_roofline.DEFAULT_HBM_BW,
-                   help="memory bandwidth in bytes/s for the roofline (default: the H200 copy rate)")
+                   help="memory bandwidth in bytes/s for the roofline; the default is the H200's measured copy rate")
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic prompts")
     p.add_argument("--case_timeout", type=float, default=3600.0,
                    help="seconds after which a case's process is killed and recorded as failed")
-    p.add_argument("--_run_case", help=argparse.SUPPRESS)
     return p
 
 
 def load_model_config(model_path: str) -> tuple[dict, bool]:
-    """(config.json dict, is_preset). A preset wins over a folder of the same name only if no such
-    folder exists."""
+    """(config.json dict, is_preset). An existing folder wins over a preset of the same name."""
     if os.path.isdir(model_path):
         cfg_path = os.path.join(model_path, "config.json")
         if not os.path.isfile(cfg_path):
@@ -152,18 +156,22 @@ def validate(args) -> dict:
         if key in owners and owners[key] not in methods:
             raise ValueError(f"--hyper_params: knob {key!r} belongs to method {owners[key]!r}, "
                              f"which is not in --methods ({', '.join(methods)})")
-    per_method = {}
+    per_method, resolved = {}, {}
     for m in methods:
         # engine knobs (and unknown ones, which make_config rejects) go to every method
         per_method[m] = {k: v for k, v in knobs.items() if owners.get(k, m) == m}
-        make_config(model=None if is_preset else args.model_path, vllm_sparse_method=m, **per_method[m])
+        cfg = make_config(model=None if is_preset else args.model_path, vllm_sparse_method=m, **per_method[m])
+        resolved[m] = {**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name != "method_config"},
+                       **dataclasses.asdict(cfg.method_config)}
 
     max_len = knobs.get("max_model_len") or model_cfg.get("max_position_embeddings")
     if max_len and max(lengths) + args.output_len > max_len:
         raise ValueError(f"--lengths: {max(lengths)} + --output_len {args.output_len} tokens exceed the model's "
                          f"max length {max_len} (max_model_len / max_position_embeddings)")
     ordered = sorted(methods, key=lambda m: m != "vanilla") + ([args.baseline] if args.baseline else [])
-    return {"lengths": lengths, "batches": batches, "methods": ordered, "knobs": per_method,
+    if args.baseline:  # the baseline honours the engine's dtype / device / seed knobs
+        per_method[args.baseline] = {k: v for k, v in knobs.items() if k in ("dtype", "device", "seed")}
+    return {"lengths": lengths, "batches": batches, "methods": ordered, "knobs": per_method, "resolved": resolved,
             "model_config": model_cfg, "is_preset": is_preset}
 
 
@@ -193,7 +201,7 @@ def run_case_process(case: dict, out_dir: str, timeout: float) -> dict:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [SRC, env.get("PYTHONPATH")]))
     with open(log_path, "w") as log:
         try:
-            proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--_run_case", case_path],
+            proc = subprocess.run([sys.executable, os.path.abspath(__file__), CHILD_FLAG, case_path],
                                   stdout=log, stderr=subprocess.STDOUT, env=env, timeout=timeout)
             rc = proc.returncode
         except subprocess.TimeoutExpired:
@@ -214,8 +222,13 @@ def run_case_process(case: dict, out_dir: str, timeout: float) -> dict:
     return result
 
 
-def _dtype_bytes(name: str | None) -> int:
-    return 4 if name in (None, "float32", "torch.float32") else 2
+def _dtype_bytes(result: dict, resolved: dict) -> int:
+    """The case's real dtype; for a case that failed before reporting it, the engine's default
+    (bf16 on a GPU, fp32 on a CPU) unless a dtype knob was set."""
+    name = result.get("dtype") or resolved.get("dtype", "auto")
+    if name == "auto":
+        name = "bfloat16" if (result.get("environment") or {}).get("gpu") else "float32"
+    return 4 if name == "float32" else 2
 
 
 def make_row(case: dict, result: dict, args) -> dict:
@@ -224,14 +237,14 @@ def make_row(case: dict, result: dict, args) -> dict:
     row.update({k: v for k, v in result.items() if k not in row})
     for key in bench_case.METRIC_KEYS:
         row.setdefault(key, None)
-    knobs = case.get("engine_kwargs", {})
-    roof = bench_roofline.roofline(case["model_config"], _dtype_bytes(result.get("dtype")), case["method"],
-                                   knobs, case["batch"], case["length"], case["output_len"], args.hbm_bw)
+    resolved = case["resolved_knobs"]
+    roof = bench_roofline.roofline(case["model_config"], _dtype_bytes(result, resolved), case["method"], resolved,
+                                   case["batch"], case["length"], case["output_len"], args.hbm_bw)
     row.update(roof)
     dec = row.get("decode_tok_s")
     row["roofline_fraction"] = dec / roof["roofline_tok_s"] if dec else None
-    row.update(model_path=args.model_path, engine_kwargs=knobs, model_config=case["model_config"],
-               command=" ".join(shlex.quote(a) for a in sys.argv))
+    row.update(model_path=args.model_path, engine_kwargs=case["engine_kwargs"], model_config=case["model_config"],
+               command=args.command)
     return row
 
 
@@ -262,10 +275,12 @@ def run_sweep(args, plan: dict) -> list[dict]:
                 kwargs = dict(plan["knobs"].get(method, {}))
                 if method != "hf":
                     kwargs.setdefault("max_num_seqs", batch)  # every request admitted at once, graphs sized to it
+                resolved = plan["resolved"].get(method, {})
                 cases.append({"run_id": run_id, "method": method, "length": length, "batch": batch,
                               "output_len": args.output_len, "repeat": args.repeat, "seed": args.seed,
                               "model_dir": mdir, "model_config": plan["model_config"], "engine_kwargs": kwargs,
-                              "kv_tokens_stored": bench_roofline.kv_tokens_stored(method, kwargs, length,
+                              "resolved_knobs": resolved,
+                              "kv_tokens_stored": bench_roofline.kv_tokens_stored(method, resolved, length,
                                                                                   args.output_len)})
     rows = []
     jsonl = os.path.join(args.out_dir, "results.jsonl")
@@ -294,10 +309,12 @@ def run_sweep(args, plan: dict) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == [CHILD_FLAG]:  # a case's own process, started by run_case_process
+        return bench_case.run_case_file(argv[1])
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args._run_case:
-        return bench_case.run_case_file(args._run_case)
+    args.command = shlex.join(["python", os.path.relpath(os.path.abspath(__file__))] + list(argv))
     try:
         plan = validate(args)
     except (ValueError, TypeError) as e:

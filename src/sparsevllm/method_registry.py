@@ -18,6 +18,8 @@ def register_method(name: str):
 def _load_builtin_methods() -> None:
     # Importing the modules runs their @register_method decorators.
     from sparsevllm.engine.cache_manager import vanilla  # noqa: F401
+    from sparsevllm.engine.cache_manager import snapkv  # noqa: F401
+    from sparsevllm.engine.cache_manager import quest  # noqa: F401
 
 
 def available_methods() -> list[str]:

@@ -115,11 +115,13 @@ def variable_tracking(formatter: PromptFormatter, length: int, index: int, seed:
         f"VAR {names[i]} = {names[i - 1]}." for i in range(1, len(names))]
     # Sorted depths keep the chain in reading order.
     needles = list(zip(sorted(rng.random() for _ in statements), statements))
-    question = f"Question: Find all variables that are assigned the value {value} in the text above."
+    question = (f"Which variables are assigned the value {value}, directly or through other "
+                "variables?")
     intro = ("Memorize and track the chain of variable assignments hidden in the following text. "
-             f"You will be asked to find all variables that are assigned the value {value}.")
-    answer_prefix = (f"Answer: According to the chain of variable assignments in the text above, "
-                     f"{len(names)} variables are assigned the value {value}, they are:")
+             + question)
+    # Ending the prefix with "VAR" shows the answer's form; with RULER's prefix ending in a colon
+    # SmolLM2-135M copied the filler instead of naming any variable (0/6 at 1K).
+    answer_prefix = f"The variables that are assigned the value {value} are: VAR"
 
     def render(haystack):
         return f"{intro}\n\n{haystack}\n\n{question}", answer_prefix
