@@ -1,0 +1,220 @@
+"""The throughput benchmark script (scripts/benchmarks/bench_sparse_vllm.py) on CPU: a smoke sweep on
+the `tiny` preset, an impossible case recorded without stopping the sweep, the HF baseline, the
+metric and roofline arithmetic, and bad input rejected before any model loads."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BENCH_DIR = os.path.join(ROOT, "scripts", "benchmarks")
+SCRIPT = os.path.join(BENCH_DIR, "bench_sparse_vllm.py")
+sys.path.insert(0, BENCH_DIR)
+
+import bench_case  # noqa: E402
+import bench_roofline  # noqa: E402
+import bench_sparse_vllm  # noqa: E402
+
+OUTPUT_LEN = 8
+
+
+def run_cli(*args, timeout=300):
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.path.join(ROOT, "src"), env.get("PYTHONPATH")]))
+    return subprocess.run([sys.executable, SCRIPT, *args], capture_output=True, text=True, env=env,
+                          timeout=timeout, cwd=ROOT)
+
+
+def read_rows(out_dir):
+    with open(os.path.join(out_dir, "results.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+@pytest.fixture(scope="module")
+def sweep(tmp_path_factory):
+    """4 cases on the tiny preset. The pool holds 12 pages of 16 tokens, so each of 64+8-token
+    requests (5 pages) fits twice and one 128+8-token request (9 pages) fits once, but two do not:
+    length 128 / batch 2 is impossible and must be recorded as such while the other three succeed."""
+    out = tmp_path_factory.mktemp("bench")
+    proc = run_cli("--model_path", "tiny", "--methods", "vanilla", "--lengths", "64,128", "--batch_sizes", "1,2",
+                   "--output_len", str(OUTPUT_LEN), "--hyper_params", '{"num_kv_pages": 12}', "--out_dir", str(out))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return out, proc, {(r["length"], r["batch"]): r for r in read_rows(out)}
+
+
+def test_sweep_writes_one_jsonl_row_per_case_with_the_metrics(sweep):
+    out, _, rows = sweep
+    assert set(rows) == {(64, 1), (64, 2), (128, 1), (128, 2)}
+    for key in [(64, 1), (64, 2), (128, 1)]:
+        r = rows[key]
+        assert r["status"] == "ok", r.get("error")
+        assert r["method"] == "vanilla" and r["output_len"] == OUTPUT_LEN
+        assert r["decoded_tokens"] == r["batch"] * OUTPUT_LEN
+        assert 0 < r["ttft_mean_s"] <= r["ttft_max_s"] < 60
+        assert r["prefill_tok_s"] > 0 and r["decode_tok_s"] > 0
+        assert 0 < r["itl_p50_ms"] <= r["itl_p99_ms"]
+        assert r["concurrent"] is True and r["decode_window_tokens"] > 0
+        assert r["execution_mode"] == "eager"  # CPU never captures graphs
+        assert r["peak_device_bytes"] is None and r["max_rss_bytes"] > 0
+        assert r["memory_accounting"]["num_pages"] == 12
+        assert r["memory_accounting_peak"]["kv_used_bytes"] > 0
+        assert r["speedup_vs_vanilla"] == 1.0
+        assert r["roofline_tok_s"] > 0 and r["roofline_fraction"] == pytest.approx(
+            r["decode_tok_s"] / r["roofline_tok_s"])
+        assert r["resolved_config"]["load_format"] == "dummy"
+        assert r["resolved_config"]["num_kv_pages"] == 12
+        assert r["model_config"]["hidden_size"] == 64
+        for lib in ("torch", "transformers", "sparsevllm"):
+            assert r["environment"][lib]
+
+
+def test_impossible_case_is_recorded_and_the_sweep_goes_on(sweep):
+    out, proc, rows = sweep
+    bad = rows[(128, 2)]
+    assert bad["status"] in ("oom", "failed")
+    assert "KV pool too small" in bad["error"]
+    assert bad["decode_tok_s"] is None and bad["roofline_tok_s"] > 0
+    assert all(rows[k]["status"] == "ok" for k in [(64, 1), (64, 2), (128, 1)])
+    assert os.path.isfile(bad["log"])
+
+
+def test_sweep_writes_summary_table_and_png_plot(sweep):
+    out, proc, _ = sweep
+    summary = (out / "summary.md").read_text()
+    assert "| method | length | batch | status |" in summary
+    assert summary.count("| vanilla |") == 4
+    assert "Failed cases" in summary and "KV pool too small" in summary
+    with open(out / "plot.png", "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    assert "roofline" in proc.stderr + proc.stdout  # each case's roofline is printed
+
+
+def test_hf_baseline_runs_on_the_same_prompts_as_method_hf(tmp_path):
+    proc = run_cli("--model_path", "tiny", "--methods", "", "--baseline", "hf", "--lengths", "32",
+                   "--batch_sizes", "2", "--output_len", str(OUTPUT_LEN), "--out_dir", str(tmp_path))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (row,) = read_rows(tmp_path)
+    assert row["method"] == "hf" and row["status"] == "ok", row.get("error")
+    assert row["decoded_tokens"] == 2 * OUTPUT_LEN and row["decode_tok_s"] > 0
+    assert row["speedup_vs_vanilla"] is None  # no vanilla in this run
+
+
+def test_timing_metrics_use_the_stable_window_only():
+    # two requests; the second is admitted at t=2; one decode step every 0.1 s after that
+    step = 0.1
+    tt = [[1.0, 1.5] + [2.0 + step * i for i in range(1, 9)],
+          [2.0] + [2.0 + step * i for i in range(1, 9)]]
+    m = bench_case.timing_metrics(0.0, [1.0, 2.0], [t[-1] for t in tt], tt, batch=2, length=100)
+    assert m["ttft_mean_s"] == pytest.approx(1.5) and m["ttft_max_s"] == pytest.approx(2.0)
+    assert m["prefill_tok_s"] == pytest.approx(200 / 2.0)
+    # window opens DECODE_WARMUP_STEPS steps after t=2 and closes at the earliest finish (2.8)
+    w = bench_case.DECODE_WARMUP_STEPS
+    assert m["decode_window_s"] == pytest.approx(step * (8 - w))
+    assert m["decode_tok_s"] == pytest.approx(2 / step)
+    assert m["itl_p50_ms"] == pytest.approx(step * 1e3) and m["itl_p99_ms"] == pytest.approx(step * 1e3)
+
+
+def test_timing_metrics_have_no_decode_window_when_requests_never_overlap():
+    tt = [[1.0, 1.1, 1.2], [2.0, 2.1, 2.2]]
+    m = bench_case.timing_metrics(0.0, [1.0, 2.0], [1.2, 2.2], tt, batch=2, length=10)
+    assert m["concurrent"] is False and m["decode_tok_s"] is None
+
+
+def test_roofline_matches_the_llama_8b_figures_in_benchmarks_md():
+    with open(os.path.join(ROOT, "src", "sparsevllm", "presets", "llama-3.1-8b.json")) as f:
+        cfg = json.load(f)
+    assert bench_roofline.weight_bytes(cfg, 2) / 1e9 == pytest.approx(15.0, rel=0.01)
+    assert bench_roofline.kv_bytes_per_token(cfg, 2) == 128 * 1024
+    one = bench_roofline.roofline(cfg, 2, "vanilla", {}, batch=1, length=4096, output_len=256, hbm_bw=4.2e12)
+    four = bench_roofline.roofline(cfg, 2, "vanilla", {}, batch=4, length=128 * 1024, output_len=256, hbm_bw=4.2e12)
+    assert one["roofline_tok_s"] == pytest.approx(270, rel=0.03)
+    assert four["roofline_tok_s"] == pytest.approx(200, rel=0.03)
+
+
+def test_sparse_rooflines_match_the_speedups_benchmarks_md_allows():
+    """BENCHMARKS.md: at 128K / batch 4 the roofline allows ~3.4x for Quest (budget 2048) and ~5x for
+    SnapKV (capacity 2048) over vanilla."""
+    with open(os.path.join(ROOT, "src", "sparsevllm", "presets", "llama-3.1-8b.json")) as f:
+        cfg = json.load(f)
+    knobs = {"page_size": 16, "quest_token_budget": 2048, "quest_skip_layers": 2, "snapkv_capacity": 2048}
+
+    def tok_s(method):
+        return bench_roofline.roofline(cfg, 2, method, knobs, batch=4, length=128 * 1024, output_len=256)[
+            "roofline_tok_s"]
+    assert tok_s("quest") / tok_s("vanilla") == pytest.approx(3.4, rel=0.05)
+    assert tok_s("snapkv") / tok_s("vanilla") == pytest.approx(5.0, rel=0.1)
+    assert bench_roofline.kv_tokens_stored("snapkv", knobs, 1000, 10) is None  # no fit check without an entry
+
+
+def test_synthetic_prompts_have_exact_length_and_no_special_ids():
+    cfg = {"vocab_size": 512, "bos_token_id": 1, "eos_token_id": [2, 150], "pad_token_id": None}
+    prompts = bench_case.make_prompts(cfg, batch=3, length=777, seed=0)
+    assert [len(p) for p in prompts] == [777] * 3
+    assert not {1, 2, 150} & {t for p in prompts for t in p}
+    assert all(0 <= t < 512 for p in prompts for t in p)
+    assert prompts == bench_case.make_prompts(cfg, batch=3, length=777, seed=0)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--hyper_params", "{not json"], "--hyper_params is not valid JSON"),
+    (["--hyper_params", "[1, 2]"], "must be a JSON object"),
+    (["--hyper_params", '{"page_sise": 16}'], "did you mean 'page_size'"),
+    (["--hyper_params", '{"vllm_sparse_method": "vanilla"}'], "use --methods"),
+    (["--methods", "vanilla,nosuchmethod"], "unknown method 'nosuchmethod'"),
+    (["--lengths", "5000"], "exceed the model's max length 4096"),
+    (["--lengths", "4090", "--output_len", "8"], "exceed the model's max length 4096"),
+    (["--batch_sizes", "1,0"], "--batch_sizes: 0 is invalid"),
+    (["--lengths", "abc"], "--lengths: 'abc' is not an integer"),
+    (["--output_len", "0"], "--output_len 0 is invalid"),
+    (["--model_path", "no-such-preset"], "neither a model folder nor a preset"),
+])
+def test_bad_input_fails_before_any_model_loads(args, message, tmp_path, monkeypatch, capsys):
+    def no_sweep(*a, **k):
+        raise AssertionError("the sweep started despite bad input")
+
+    monkeypatch.setattr(bench_sparse_vllm, "run_sweep", no_sweep)
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as exc:
+        bench_sparse_vllm.main(["--model_path", "tiny", "--lengths", "64", "--output_len", "8",
+                                "--out_dir", str(out), *args])
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_help_documents_every_flag():
+    text = bench_sparse_vllm.build_parser().format_help()
+    for flag in ("--model_path", "--methods", "--lengths", "--batch_sizes", "--output_len", "--hyper_params",
+                 "--out_dir", "--repeat", "--enforce_eager", "--baseline", "--hbm_bw"):
+        assert flag in text
+    assert "llama-3.1-8b" in text and "_run_case" not in text
+
+
+def test_method_knobs_go_only_to_their_own_method(monkeypatch):
+    from dataclasses import dataclass
+
+    from sparsevllm import method_registry
+    from sparsevllm.config import MethodConfig
+    from sparsevllm.engine.cache_manager.base import CacheManager
+
+    @dataclass
+    class FakeConfig(MethodConfig):
+        fakesparse_budget: int = 64
+
+    class FakeSparse(CacheManager):
+        config_cls = FakeConfig
+
+    monkeypatch.setitem(method_registry._METHODS, "fakesparse", FakeSparse)
+    parser = bench_sparse_vllm.build_parser()
+    common = ["--model_path", "tiny", "--lengths", "64", "--output_len", "8"]
+    args = parser.parse_args(common + ["--methods", "fakesparse,vanilla",
+                                       "--hyper_params", '{"fakesparse_budget": 32, "page_size": 8}'])
+    plan = bench_sparse_vllm.validate(args)
+    assert plan["methods"] == ["vanilla", "fakesparse"]  # vanilla first: speed-ups need it
+    assert plan["knobs"]["fakesparse"] == {"fakesparse_budget": 32, "page_size": 8, "load_format": "dummy"}
+    assert plan["knobs"]["vanilla"] == {"page_size": 8, "load_format": "dummy"}
+    args = parser.parse_args(common + ["--methods", "vanilla", "--hyper_params", '{"fakesparse_budget": 32}'])
+    with pytest.raises(ValueError, match="belongs to method 'fakesparse', which is not in --methods"):
+        bench_sparse_vllm.validate(args)
