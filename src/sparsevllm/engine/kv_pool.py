@@ -51,6 +51,7 @@ class PageAllocator:
         self.free_clean: deque[int] = deque(range(num_pages))
         # Freed pages that still hold a hashed prefix, oldest first: reused last, revived on a hit.
         self.free_cached: OrderedDict[int, None] = OrderedDict()
+        self.peak_used = 0  # most pages referenced at once since the last reset_peak()
 
     @property
     def num_free(self) -> int:
@@ -64,12 +65,14 @@ class PageAllocator:
             del self.page_of[self.hash_of[page]]
             self.hash_of[page] = -1
         self.refcount[page] = 1
+        self.peak_used = max(self.peak_used, self.num_pages - self.num_free)
         return page
 
     def share(self, page: int) -> None:
         """Take another reference to a cached page (a prefix-cache hit)."""
         if self.refcount[page] == 0:
             del self.free_cached[page]
+            self.peak_used = max(self.peak_used, self.num_pages - self.num_free)
         self.refcount[page] += 1
 
     def release(self, page: int) -> None:
@@ -80,6 +83,9 @@ class PageAllocator:
                 self.free_cached[page] = None
             else:
                 self.free_clean.append(page)
+
+    def reset_peak(self) -> None:
+        self.peak_used = self.num_pages - self.num_free
 
     def lookup(self, h: int) -> int | None:
         return self.page_of.get(h)

@@ -194,6 +194,7 @@ class CacheManager:
         page_bytes = self.pool.nbytes // self.num_pages
         used = self.num_pages - self.allocator.num_free
         return {"kv_pool_bytes": self.pool.nbytes, "kv_used_bytes": used * page_bytes,
+                "kv_peak_used_bytes": self.allocator.peak_used * page_bytes,
                 "kv_page_bytes": page_bytes, "num_pages": self.num_pages, "used_pages": used,
                 "metadata_bytes": 0}
 

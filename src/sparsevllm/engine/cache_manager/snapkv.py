@@ -28,7 +28,9 @@ Deviations from the official code:
 Engine interplay:
 - Chunked prefill: the prompt stays raw until its last chunk; `chunk_size` keeps the whole window
   in that chunk and makes it end exactly at the prompt's end. If a step has too little token budget
-  left for the window, the request gets 0 tokens in that step.
+  left for the window, the request gets 0 tokens in that step (today's scheduler then preempts a
+  running request, which is recomputed with unchanged output; rare: it needs a step budget already
+  spent down to less than w by earlier requests).
 - Prefix caching: raw prompt pages are named and shared as usual, but prefix hits of a long prompt
   stop before its window (the window's queries must be recomputed). The prompt's full raw pages are
   named before they are released, so a later identical prompt still hits them. Compacted pages are
