@@ -14,7 +14,8 @@ pages are released. Decode appends after the C kept tokens; RoPE positions stay 
 (seq.num_computed_tokens = L + t), only seq.cache_len shrinks. No further eviction during decode
 (official). Prompts of L <= C are untouched: outputs equal vanilla's.
 
-Defaults (official LongBench configs): C = 2048, w = 32, k = 7, max pooling.
+Defaults (official LongBench configs, as METHODS.md fixes them): C = 2048, w = 32, k = 7, max pooling
+(the official monkeypatch's own fallbacks are k = 5 and avg pooling; both poolings are a knob).
 
 Deviations from the official code:
 - GQA: the official code selects per query head after repeat_kv, which stores H_q / H_kv copies
