@@ -1,0 +1,169 @@
+"""Quest's two kernels: per-page key min/max after a write, and the page upper-bound scores.
+
+page_minmax: for every page a step wrote into, recompute the channel-wise min and max of the keys
+stored in it so far, per KV head. A touched page is named by the slot of the last token the step
+wrote into it: pages fill in order, so its valid tokens are offsets 0 .. slot % P. Decode passes
+the slot mapping itself (one token per request, -1 for padding), so no host work is needed and
+the update is graph-capturable. Recomputing from the pool rather than folding the new token into
+the old min/max needs no "first token of the page" reset and costs at most P token reads.
+
+quest_scores: for every page of a request's block table, sum over the channels of
+max(q_c * max_c, q_c * min_c) (an upper bound on q . k for any key of the page), summed over the
+query heads of each KV group, or of all heads when one page set is shared by all KV heads. Pages
+at or after the current (last) page of the request score -inf: the current page is always
+attended and is not a candidate, and entries past the row's pages are padding. Programs whose
+pages all lie past the row's current page write -inf and exit, so the work follows the real
+length, not the static table width that CUDA graphs use.
+"""
+import torch
+
+from sparsevllm.kernels.common import jit, pow2, tl, use_triton
+
+BLOCK_PAGES = 32   # pages per scoring program: a [32, 128] fp32 tile per min/max fits in registers
+
+
+# ---------------------------------------------------------------- page min/max
+
+def page_minmax_ref(k_cache: torch.Tensor, last_slots: torch.Tensor, kmin: torch.Tensor,
+                    kmax: torch.Tensor, page_size: int) -> None:
+    """k_cache: [num_slots, H_kv, D]; last_slots: [M] int, -1 = nothing; kmin, kmax: [num_pages, H_kv, D]
+    written in place for the page of every last slot."""
+    P = page_size
+    last = last_slots[last_slots >= 0].long()
+    if last.numel() == 0:
+        return
+    pages = last // P
+    count = last % P + 1
+    offs = torch.arange(P, device=k_cache.device)
+    keys = k_cache[pages.unsqueeze(1) * P + offs]                    # [M, P, H, D]
+    valid = (offs.unsqueeze(0) < count.unsqueeze(1)).view(-1, P, 1, 1)
+    kmin[pages] = keys.masked_fill(~valid, float("inf")).amin(1).to(kmin.dtype)
+    kmax[pages] = keys.masked_fill(~valid, float("-inf")).amax(1).to(kmax.dtype)
+
+
+@jit
+def _page_minmax_kernel(k_ptr, slot_ptr, kmin_ptr, kmax_ptr,
+                        stride_ks, stride_kh, stride_ms, stride_mh, stride_xs, stride_xh,
+                        P: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    i = tl.program_id(0)
+    h = tl.program_id(1)
+    last = tl.load(slot_ptr + i).to(tl.int64)   # int64: slot * stride overflows int32 on big pools
+    if last < 0:
+        return
+    page = last // P
+    count = last % P + 1
+    toks = tl.arange(0, P)
+    dims = tl.arange(0, BLOCK_D)
+    dim_ok = dims < HEAD_DIM
+    mask = (toks < count)[:, None] & dim_ok[None, :]
+    k = tl.load(k_ptr + (page * P + toks)[:, None] * stride_ks + h * stride_kh + dims[None, :],
+                mask=mask, other=0.0)
+    lo = tl.min(tl.where(mask, k, float("inf")), 0)
+    hi = tl.max(tl.where(mask, k, float("-inf")), 0)
+    tl.store(kmin_ptr + page * stride_ms + h * stride_mh + dims, lo.to(kmin_ptr.dtype.element_ty), mask=dim_ok)
+    tl.store(kmax_ptr + page * stride_xs + h * stride_xh + dims, hi.to(kmax_ptr.dtype.element_ty), mask=dim_ok)
+
+
+def page_minmax_triton(k_cache: torch.Tensor, last_slots: torch.Tensor, kmin: torch.Tensor,
+                       kmax: torch.Tensor, page_size: int) -> None:
+    """Same contract as page_minmax_ref; one program per (touched page, KV head)."""
+    M = last_slots.shape[0]
+    H, D = k_cache.shape[1], k_cache.shape[2]
+    assert last_slots.dim() == 1 and kmin.shape == kmax.shape and kmin.shape[1:] == (H, D)
+    assert k_cache.stride(-1) == 1 and kmin.stride(-1) == 1 and kmax.stride(-1) == 1
+    if M == 0:
+        return
+    _page_minmax_kernel[(M, H)](
+        k_cache, last_slots, kmin, kmax, k_cache.stride(0), k_cache.stride(1),
+        kmin.stride(0), kmin.stride(1), kmax.stride(0), kmax.stride(1),
+        P=int(page_size), HEAD_DIM=D, BLOCK_D=pow2(D), num_warps=4)
+
+
+def page_minmax(k_cache, last_slots, kmin, kmax, page_size):
+    if use_triton(k_cache):
+        page_minmax_triton(k_cache, last_slots, kmin, kmax, page_size)
+    else:
+        page_minmax_ref(k_cache, last_slots, kmin, kmax, page_size)
+
+
+# ---------------------------------------------------------------- page scores
+
+def quest_scores_ref(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, block_tables: torch.Tensor,
+                     context_lens: torch.Tensor, page_size: int, shared: bool) -> torch.Tensor:
+    """q: [B, H_q, D]; kmin, kmax: [num_pages, H_kv, D]; block_tables: [B, N]; context_lens: [B]
+    -> fp32 scores [B, G, N], G = 1 if shared else H_kv; -inf at and after each row's current page."""
+    B, Hq, D = q.shape
+    Hkv = kmin.shape[1]
+    N = block_tables.shape[1]
+    pages = block_tables.long()
+    hi = kmax[pages].float().unsqueeze(3)                        # [B, N, H_kv, 1, D]
+    lo = kmin[pages].float().unsqueeze(3)
+    qg = q.float().view(B, 1, Hkv, Hq // Hkv, D)
+    bound = torch.maximum(qg * hi, qg * lo).sum((-1, -2))         # [B, N, H_kv]
+    scores = bound.transpose(1, 2)
+    if shared:
+        scores = scores.sum(1, keepdim=True)
+    current = (context_lens.long() - 1) // page_size
+    candidate = torch.arange(N, device=q.device).view(1, 1, N) < current.view(B, 1, 1)
+    return scores.masked_fill(~candidate, float("-inf")).contiguous()
+
+
+@jit
+def _quest_scores_kernel(q_ptr, kmin_ptr, kmax_ptr, table_ptr, len_ptr, out_ptr,
+                         stride_qb, stride_qh, stride_ms, stride_mh, stride_xs, stride_xh,
+                         stride_tb, stride_ob, stride_og, N,
+                         QG: tl.constexpr, KV_PER_ROW: tl.constexpr, P: tl.constexpr,
+                         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr):
+    b = tl.program_id(0)
+    g = tl.program_id(1)
+    blk = tl.program_id(2)
+    current = (tl.load(len_ptr + b) - 1) // P
+    offs = blk * BLOCK_P + tl.arange(0, BLOCK_P)
+    out_ptrs = out_ptr + b * stride_ob + g * stride_og + offs
+    if blk * BLOCK_P >= current:   # every page of this block is the current page or padding
+        tl.store(out_ptrs, tl.full([BLOCK_P], float("-inf"), tl.float32), mask=offs < N)
+        return
+    ok = offs < current
+    dims = tl.arange(0, BLOCK_D)
+    dim_ok = dims < HEAD_DIM
+    page = tl.load(table_ptr + b * stride_tb + offs, mask=ok, other=0).to(tl.int64)
+    tile_ok = ok[:, None] & dim_ok[None, :]
+    acc = tl.zeros([BLOCK_P], tl.float32)
+    for kh in range(KV_PER_ROW):
+        h = g * KV_PER_ROW + kh
+        hi = tl.load(kmax_ptr + page[:, None] * stride_xs + h * stride_xh + dims[None, :],
+                     mask=tile_ok, other=0.0).to(tl.float32)
+        lo = tl.load(kmin_ptr + page[:, None] * stride_ms + h * stride_mh + dims[None, :],
+                     mask=tile_ok, other=0.0).to(tl.float32)
+        for j in range(QG):
+            qv = tl.load(q_ptr + b * stride_qb + (h * QG + j) * stride_qh + dims,
+                         mask=dim_ok, other=0.0).to(tl.float32)
+            acc += tl.sum(tl.maximum(qv[None, :] * hi, qv[None, :] * lo), 1)
+    tl.store(out_ptrs, tl.where(ok, acc, float("-inf")), mask=offs < N)
+
+
+def quest_scores_triton(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, block_tables: torch.Tensor,
+                        context_lens: torch.Tensor, page_size: int, shared: bool) -> torch.Tensor:
+    """Same contract as quest_scores_ref; one program per (request, page set, block of pages)."""
+    B, Hq, D = q.shape
+    Hkv = kmin.shape[1]
+    N = block_tables.shape[1]
+    assert Hq % Hkv == 0 and kmin.shape == kmax.shape and kmin.shape[2] == D
+    assert q.stride(-1) == 1 and kmin.stride(-1) == 1 and kmax.stride(-1) == 1
+    assert block_tables.stride(-1) == 1 and context_lens.shape == (B,) and context_lens.stride(0) == 1
+    G = 1 if shared else Hkv
+    out = torch.empty(B, G, N, dtype=torch.float32, device=q.device)
+    grid = (B, G, -(-N // BLOCK_PAGES))
+    _quest_scores_kernel[grid](
+        q, kmin, kmax, block_tables, context_lens, out,
+        q.stride(0), q.stride(1), kmin.stride(0), kmin.stride(1), kmax.stride(0), kmax.stride(1),
+        block_tables.stride(0), out.stride(0), out.stride(1), N,
+        QG=Hq // Hkv, KV_PER_ROW=Hkv // G, P=int(page_size), HEAD_DIM=D, BLOCK_D=pow2(D),
+        BLOCK_P=BLOCK_PAGES, num_warps=4)
+    return out
+
+
+def quest_scores(q, kmin, kmax, block_tables, context_lens, page_size, shared):
+    if use_triton(q):
+        return quest_scores_triton(q, kmin, kmax, block_tables, context_lens, page_size, shared)
+    return quest_scores_ref(q, kmin, kmax, block_tables, context_lens, page_size, shared)

@@ -1,0 +1,330 @@
+"""quest: equal to vanilla when the budget covers the context; the selected pages equal a naive
+oracle of the bound computed from the raw keys in the pool; the causal invariant; page min/max
+equal a recomputation from the pool after chunked prefill, prefix-cache hits and many decode
+steps; knob validation; the Triton kernels against their references (interpreter on CPU, bf16 and
+graph replay on the GPU).
+
+Decode steps on CPU see a block table as wide as the live batch needs; CUDA graphs see one
+max_model_len / P wide whose tail holds stale entries. `graph_shaped` gives CPU decode steps that
+shape (garbage past each row), so the selection path the graphs run is tested here too.
+"""
+import os
+
+import numpy as np
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+from sparsevllm import LLM, SamplingParams  # noqa: E402
+from sparsevllm.config import make_config  # noqa: E402
+from sparsevllm.engine.cache_manager import quest as quest_cm  # noqa: E402
+from sparsevllm.kernels import quest as qk  # noqa: E402
+
+CUDA = torch.cuda.is_available()
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+
+def gpu(fn):
+    return pytest.mark.gpu(pytest.mark.skipif(not CUDA, reason="needs CUDA")(fn))
+
+
+def prompts(lengths, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, 250, n).tolist() for n in lengths]
+
+
+def token_ids(outs):
+    return [o["token_ids"] for o in outs]
+
+
+def graph_shaped(llm):
+    """Decode steps get a block table max_model_len / P wide with random page ids past each row's
+    pages, as the CUDA-graph static buffer holds stale entries there."""
+    cm = llm.engine.cache_manager
+    prepare, width = cm.prepare_step, cm.pages_for(llm.config.max_model_len)
+    gen = torch.Generator().manual_seed(1)
+
+    def wide(seqs, num_tokens, is_prefill):
+        step = prepare(seqs, num_tokens, is_prefill)
+        if not is_prefill:
+            bt = torch.randint(0, cm.num_pages, (len(seqs), width), generator=gen, dtype=torch.int32)
+            bt[:, :step.block_tables.shape[1]] = step.block_tables
+            for i, ctx in enumerate(step.context_lens.tolist()):
+                bt[i, cm.pages_for(ctx):] = torch.randint(0, cm.num_pages, (width - cm.pages_for(ctx),),
+                                                          generator=gen, dtype=torch.int32)
+            step.block_tables = bt.to(step.block_tables.device)
+        return step
+    cm.prepare_step = wide
+    return llm
+
+
+# ---------------------------------------------------------------- the naive oracle
+
+def oracle_view(q, k_cache, table_row, ctx, P, n, shared):
+    """Quest's selection for one request, from the raw keys, in float64 Python loops.
+    Returns per page set (one, or one per KV head) the list of physical pages and the length."""
+    Hq, Hkv = q.shape[0], k_cache.shape[1]
+    qg = Hq // Hkv
+    num_pages = -(-ctx // P)
+    if num_pages <= n:
+        return [(table_row[:num_pages], ctx)] * (1 if shared else Hkv)
+    groups = [list(range(Hkv))] if shared else [[h] for h in range(Hkv)]
+    out = []
+    for kv_heads in groups:
+        scores = []
+        for j in range(num_pages - 1):     # full pages only: the current page is forced
+            keys = k_cache[table_row[j] * P:(table_row[j] + 1) * P].double()
+            s = 0.0
+            for h in kv_heads:
+                hi, lo = keys[:, h].max(0).values, keys[:, h].min(0).values
+                for qh in range(h * qg, (h + 1) * qg):
+                    qd = q[qh].double()
+                    s += float(torch.maximum(qd * hi, qd * lo).sum())
+            scores.append(s)
+        top = sorted(range(num_pages - 1), key=lambda j: -scores[j])[:n - 1]
+        chosen = sorted(top) + [num_pages - 1]
+        out.append(([table_row[j] for j in chosen], (n - 1) * P + ctx - (num_pages - 1) * P))
+    return out
+
+
+def check_decode_views(llm, log):
+    """Wrap build_decode_view: every sparse-layer view must equal the oracle and respect causality."""
+    cm = llm.engine.cache_manager
+    build = cm.build_decode_view
+
+    def checked(layer_id, q, step):
+        view = build(layer_id, q, step)
+        k_cache = cm.pool.layer(layer_id)[0]
+        P, n = cm.page_size, cm.budget_pages
+        B, G, _ = view.table.shape
+        for b in range(B):
+            ctx = int(step.context_lens[b])
+            row = step.block_tables[b, :cm.pages_for(ctx)].tolist()
+            logical = {page: j for j, page in enumerate(row)}
+            for g in range(G):
+                length = int(view.lengths[b, g])
+                pages = view.table[b, g, :cm.pages_for(length)].tolist()
+                # The causal invariant: every token the view names is a distinct stored position
+                # <= the query's, and the query's own token is among them.
+                positions = [logical[p] * P + t for i, p in enumerate(pages) for t in range(P)
+                             if i * P + t < length]
+                assert len(set(positions)) == len(positions) and max(positions) == ctx - 1
+                if layer_id >= cm.skip_layers:
+                    want = oracle_view(q[b], k_cache, row, ctx, P, n, cm.shared)[g]
+                    assert (pages, length) == want, f"layer {layer_id} row {b} head set {g}"
+                    log["sparse" if length < ctx else "dense"] += g == 0
+        return view
+    cm.build_decode_view = checked
+    return llm
+
+
+def check_metadata(llm, log):
+    """After every step, each live request's page min/max equal a recomputation from the pool."""
+    cm = llm.engine.cache_manager
+    end = cm.on_step_end
+
+    def checked(step):
+        P = cm.page_size
+        for b, seq in enumerate(step.seqs):
+            ctx = int(step.context_lens[b])
+            for j, page in enumerate(cm.block_tables[seq.seq_id][:cm.pages_for(ctx)]):
+                count = min(P, ctx - j * P)
+                for layer in range(cm.skip_layers, cm.num_layers):
+                    keys = cm.pool.layer(layer)[0][page * P:page * P + count]
+                    i = layer - cm.skip_layers
+                    assert torch.equal(cm.kmin[i, page], keys.amin(0)), (layer, page)
+                    assert torch.equal(cm.kmax[i, page], keys.amax(0)), (layer, page)
+                    log["pages"] += 1
+        end(step)
+    cm.on_step_end = checked
+    return llm
+
+
+def quest(path, **knobs):
+    return LLM(path, vllm_sparse_method="quest", device="cpu", **knobs)
+
+
+# ---------------------------------------------------------------- engine (CPU)
+
+@pytest.mark.parametrize("graph_like", [False, True])
+def test_quest_equals_vanilla_when_budget_covers_context(tiny_model, graph_like):
+    path = tiny_model("llama")
+    ps = prompts([70, 13, 150])
+    want = token_ids(LLM(path, device="cpu").generate(ps, GREEDY, use_tqdm=False))
+    llm = quest(path, quest_token_budget=256, quest_skip_layers=0, chunk_prefill_size=32)
+    if graph_like:
+        graph_shaped(llm)
+    assert token_ids(llm.generate(ps[:1], GREEDY, use_tqdm=False)) == want[:1]      # bs 1
+    assert token_ids(llm.generate(ps, GREEDY, use_tqdm=False)) == want              # bs 3
+    assert llm.engine.cache_manager.allocator.is_idle()
+
+
+@pytest.mark.parametrize("arch,shared", [("llama", False), ("qwen3", True)])
+def test_quest_selection_equals_oracle_and_is_causal(tiny_model, arch, shared):
+    path = tiny_model(arch)
+    ps = prompts([90, 21, 57], seed=1)      # 23, 6 and 15 pages of 4: sparse and dense rows together
+    llm = quest(path, page_size=4, quest_token_budget=24, quest_skip_layers=1, quest_shared_selection=shared,
+                chunk_prefill_size=40)
+    log = {"sparse": 0, "dense": 0}
+    check_decode_views(graph_shaped(llm), log)
+    outs = llm.generate(ps, GREEDY, use_tqdm=False)
+    assert log["sparse"] > 20 and log["dense"] >= 3     # rows: 12 + 9 + 12 sparse, 3 dense
+    assert all(o["finish_reason"] == "length" and len(o["token_ids"]) == GREEDY.max_tokens for o in outs)
+    # A budget below the context changes the long request's output (valid tokens, different ones).
+    want = token_ids(LLM(path, device="cpu").generate(ps, GREEDY, use_tqdm=False))
+    assert token_ids(outs)[0] != want[0]
+
+
+def test_quest_metadata_matches_pool_after_chunked_prefill_prefix_hits_and_decode(tiny_model):
+    path = tiny_model("llama")
+    llm = quest(path, page_size=8, quest_token_budget=32, quest_skip_layers=1, chunk_prefill_size=24,
+                max_num_batched_tokens=48)
+    log = {"pages": 0, "sparse": 0, "dense": 0}
+    check_decode_views(check_metadata(llm, log), log)
+    shared_prefix = prompts([64], seed=2)[0]
+    first = [shared_prefix + p for p in prompts([30, 9], seed=3)]
+    sp = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    llm.generate(first, sp, use_tqdm=False)
+    hits = []
+    allocate = llm.engine.cache_manager.allocate
+
+    def record(seq):
+        allocate(seq)
+        hits.append(seq.num_computed_tokens)
+    llm.engine.cache_manager.allocate = record
+    second = [shared_prefix + p for p in prompts([5, 41], seed=4)]
+    llm.generate(second, sp, use_tqdm=False)
+    assert min(hits) >= 64                  # the shared prefix came from the cache
+    assert log["pages"] > 1000 and log["sparse"] > 50
+    assert llm.engine.cache_manager.allocator.is_idle()
+
+
+def test_quest_memory_accounting_counts_metadata(tiny_model):
+    path = tiny_model("llama")
+    llm = quest(path, num_kv_pages=100, quest_skip_layers=1)
+    cm = llm.engine.cache_manager
+    mc = llm.hf_config
+    # One sparse layer, min and max, H_kv x D fp32 values per page.
+    meta = 2 * 1 * mc.num_key_value_heads * mc.head_dim * 4
+    assert llm.memory_accounting()["metadata_bytes"] == 100 * meta
+    kv = cm.pool.nbytes // 100
+    assert type(cm).bytes_per_page(llm.config, mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim,
+                                   torch.float32) == kv + meta
+
+
+def test_quest_knobs_are_validated():
+    cfg = make_config(None, "quest")
+    assert (cfg.method_config.quest_token_budget, cfg.page_size, cfg.method_config.quest_skip_layers) == (2048, 16, 2)
+    assert make_config(None, "quest", quest_page_size=32).page_size == 32
+    assert make_config(None, "quest", quest_page_size=8, page_size=8).page_size == 8
+    with pytest.raises(ValueError, match="quest_page_size=8 contradicts page_size=32"):
+        make_config(None, "quest", quest_page_size=8, page_size=32)
+    bad = [dict(quest_page_size=12), dict(quest_page_size=0), dict(quest_token_budget=8),
+           dict(quest_token_budget=1.5e3), dict(quest_skip_layers=-1), dict(quest_shared_selection="yes")]
+    for knobs in bad:
+        with pytest.raises(ValueError, match=next(iter(knobs))):
+            make_config(None, "quest", **knobs)
+    with pytest.raises(ValueError, match="belongs to method 'quest'"):
+        make_config(None, "vanilla", quest_token_budget=512)
+
+
+def test_select_pages_dense_rows_and_lengths():
+    # Row 0: 6 pages > n = 3 -> top 2 of pages 0..4 by score, then the current page 5.
+    # Row 1: 3 pages <= n -> dense. Scores past a row's candidates are -inf as the kernels write them.
+    inf = float("-inf")
+    scores = torch.tensor([[[0.5, 3.0, 1.0, 2.0, 0.0, inf, inf, inf]],
+                           [[9.0, 8.0, inf, inf, inf, inf, inf, inf]]])
+    bt = torch.tensor([[10, 11, 12, 13, 14, 15, 7, 7], [20, 21, 22, 5, 5, 5, 5, 5]], dtype=torch.int32)
+    ctx = torch.tensor([5 * 4 + 3, 2 * 4 + 1], dtype=torch.int32)
+    table, lengths = quest_cm.select_pages(scores, bt, ctx, 4, 3)
+    assert table.tolist() == [[[11, 13, 15]], [[20, 21, 22]]]
+    assert lengths.tolist() == [[2 * 4 + 3], [9]]
+
+
+# ---------------------------------------------------------------- kernels (interpreter on CPU)
+
+interp = pytest.mark.skipif(CUDA, reason="interpreter tests run on CPU-only machines")
+
+
+def minmax_case(g, num_pages, P, H, D, dtype, device):
+    k_cache = torch.randn(num_pages * P, H, D, generator=g).to(device, dtype)
+    pages = torch.randperm(num_pages, generator=g)[:6]
+    offs = torch.randint(0, P, (6,), generator=g)
+    offs[0], offs[1] = 0, P - 1                       # first token of a page; a full page
+    last = pages * P + offs
+    last[3] = -1                                      # padding writes nothing
+    kmin = torch.randn(num_pages, H, D, generator=g).to(device, dtype)
+    kmax = torch.randn(num_pages, H, D, generator=g).to(device, dtype)
+    return k_cache, last.to(device), kmin, kmax
+
+
+def scores_case(g, B, Hq, Hkv, D, P, N, dtype, device):
+    num_pages = B * N + 3
+    kmin = torch.randn(num_pages, Hkv, D, generator=g)
+    kmax = kmin + torch.rand(num_pages, Hkv, D, generator=g)
+    q = torch.randn(B, Hq, D, generator=g)
+    bt = torch.randperm(num_pages, generator=g)[:B * N].view(B, N).int()
+    ctx = torch.randint(1, N * P + 1, (B,), generator=g).int()
+    ctx[0], ctx[-1] = N * P, 1                         # a full table; a single token
+    return [x.to(device) for x in (q.to(dtype), kmin.to(dtype), kmax.to(dtype), bt, ctx)]
+
+
+@interp
+@pytest.mark.parametrize("P,dtype", [(1, torch.float32), (4, torch.float16), (16, torch.float32)])
+def test_page_minmax_triton_matches_reference(P, dtype):
+    g = torch.Generator().manual_seed(P)
+    args = minmax_case(g, 12, P, 3, 24, dtype, "cpu")
+    ref = [a.clone() for a in args]
+    qk.page_minmax_triton(*args, P)
+    qk.page_minmax_ref(*ref, P)
+    assert torch.equal(args[2], ref[2]) and torch.equal(args[3], ref[3])
+
+
+@interp
+@pytest.mark.parametrize("P,shared,dtype", [(16, False, torch.float32), (4, True, torch.float16),
+                                            (1, False, torch.float16)])
+def test_quest_scores_triton_matches_reference(P, shared, dtype):
+    g = torch.Generator().manual_seed(P + shared)
+    args = scores_case(g, 3, 6, 2, 24, P, {1: 70, 4: 40, 16: 9}[P], dtype, "cpu")   # 70 pages: 3 blocks
+    got, want = qk.quest_scores_triton(*args, P, shared), qk.quest_scores_ref(*args, P, shared)
+    assert torch.equal(got.isinf(), want.isinf())
+    torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-4)
+
+
+# ---------------------------------------------------------------- GPU
+
+@gpu
+@pytest.mark.parametrize("shared", [False, True])
+def test_gpu_quest_kernels_match_references_bf16(shared):
+    g = torch.Generator().manual_seed(21 + shared)
+    bf = torch.bfloat16
+    for B, N in [(1, 4096), (5, 300), (33, 64)]:
+        args = scores_case(g, B, 32, 8, 128, 16, N, bf, "cuda")
+        got, want = qk.quest_scores(*args, 16, shared), qk.quest_scores_ref(*args, 16, shared)
+        assert torch.equal(got.isinf(), want.isinf())
+        torch.testing.assert_close(got, want, atol=1e-2, rtol=1e-3)
+    for P in (1, 16, 64):
+        args = minmax_case(g, 50, P, 8, 128, bf, "cuda")
+        ref = [a.clone() for a in args]
+        qk.page_minmax(*args, P)
+        qk.page_minmax_ref(*ref, P)
+        assert torch.equal(args[2], ref[2]) and torch.equal(args[3], ref[3])
+
+
+@gpu
+@pytest.mark.parametrize("shared", [False, True])
+def test_gpu_quest_graph_replay_equals_eager(tiny_model, shared):
+    path = tiny_model("llama")
+    knobs = dict(vllm_sparse_method="quest", device="cuda", dtype="float32", max_num_seqs=8, page_size=4,
+                 quest_token_budget=24, quest_skip_layers=1, quest_shared_selection=shared)
+    eager = LLM(path, enforce_eager=True, **knobs)
+    graph = LLM(path, **knobs)
+    assert graph.execution_mode == "cuda_graph"
+    sp = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    for n in (1, 3, 8):
+        ps = prompts([40 + 23 * i for i in range(n)], seed=n)
+        assert token_ids(eager.generate(ps, sp, use_tqdm=False)) == token_ids(graph.generate(ps, sp, use_tqdm=False))
+    assert graph.engine.cache_manager.allocator.is_idle()
