@@ -56,7 +56,11 @@ class Scheduler:
         for seq in list(self.running):
             if budget <= 0:
                 break
-            if seq.in_prefill and not take(seq):
+            if not seq.in_prefill:
+                continue
+            if self.cm.chunk_size(seq, min(cfg.chunk_prefill_size, budget)) <= 0:
+                continue  # the method needs a larger chunk than this step has left: wait a step
+            if not take(seq):
                 # Decode growth of others took the pages this prompt was admitted with: recompute it later.
                 self.preempt(seq)
                 break

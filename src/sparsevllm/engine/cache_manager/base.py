@@ -177,14 +177,20 @@ class CacheManager:
         self._table_arrays.pop(seq.seq_id, None)
 
     def commit(self, seq: Sequence, num_new_tokens: int) -> None:
-        """After a step stored num_new_tokens for seq: advance the counters and name newly full pages."""
+        """After a step stored num_new_tokens for seq: advance the counters and name newly full pages.
+        Runs after the forward and after on_step_end."""
         old = seq.cache_len
         seq.num_computed_tokens += num_new_tokens
         seq.cache_len += num_new_tokens
-        if not self.prefix_caching or seq.cache_len != seq.num_computed_tokens:
-            return  # only raw caches (cache position == logical position) can be named by their tokens
+        if seq.cache_len == seq.num_computed_tokens:  # only raw caches can be named by their tokens
+            self.name_full_pages(seq, old, seq.cache_len)
+
+    def name_full_pages(self, seq: Sequence, start: int, end: int) -> None:
+        """Enter the full raw pages holding tokens [start, end) into the prefix cache (chained hashes)."""
+        if not self.prefix_caching:
+            return
         P, table = self.page_size, self.block_tables[seq.seq_id]
-        for i in range(old // P, seq.cache_len // P):
+        for i in range(start // P, end // P):
             prev = self.allocator.hash_of[table[i - 1]] if i > 0 else -1
             if i > 0 and prev < 0:
                 break  # the chain is broken (previous page unnamed); later pages cannot be named
@@ -258,4 +264,5 @@ class CacheManager:
                           self.page_size)
 
     def on_step_end(self, step: StepState) -> None:
-        """Eviction, compaction or compression after the forward, outside CUDA graphs."""
+        """Eviction, compaction or compression after the forward, outside CUDA graphs. Runs before
+        `commit` advances the step's counters."""

@@ -48,7 +48,6 @@ import torch
 
 from sparsevllm.config import EngineConfig, MethodConfig
 from sparsevllm.engine.cache_manager.base import CacheManager, StepState
-from sparsevllm.engine.kv_pool import page_hash
 from sparsevllm.engine.sequence import Sequence
 from sparsevllm.kernels.snapkv import select_kept, window_scores
 from sparsevllm.method_registry import register_method
@@ -194,18 +193,6 @@ class SnapKVCacheManager(CacheManager):
                 self._compact(c.seq, torch.stack(c.kept))
 
     # ---- compaction ------------------------------------------------------------------------------
-    def _name_raw_pages(self, seq: Sequence, start: int, end: int) -> None:
-        """Name the full raw pages of tokens [start, end) as commit would, before they are released:
-        a later request with the same prompt can then reuse them."""
-        if not self.prefix_caching:
-            return
-        P, table = self.page_size, self.block_tables[seq.seq_id]
-        for i in range(start // P, end // P):
-            prev = self.allocator.hash_of[table[i - 1]] if i > 0 else -1
-            if i > 0 and prev < 0:
-                break
-            self.allocator.register(table[i], page_hash(seq.token_ids[i * P:(i + 1) * P], prev))
-
     def _compact(self, seq: Sequence, kept: torch.Tensor) -> None:
         """kept: [num_layers, H_kv, C] ascending prompt positions. Move them to fresh pages, release the
         prompt's pages, point the request at the new ones; cache_len = C, the logical length is untouched."""
@@ -218,7 +205,7 @@ class SnapKVCacheManager(CacheManager):
             logger.warning("request %d: no pages to compact its %d-token prompt into; it keeps its full cache",
                            seq.seq_id, L)
             return
-        self._name_raw_pages(seq, seq.cache_len, L)
+        self.name_full_pages(seq, seq.cache_len, L)  # a later equal prompt can reuse them
         dev = self.device
         old_t = torch.tensor(old, dtype=torch.int64, device=dev)
         src = (old_t[kept // P] * P + kept % P).transpose(1, 2)            # [layers, C, H_kv] old slots
