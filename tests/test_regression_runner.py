@@ -1,0 +1,235 @@
+"""The regression runner: method variants, scoring against vanilla, resumption, reports; then a
+smoke run through the real engine with a tiny random model, and (slow) a short SmolLM2 run."""
+
+import json
+import os
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from test_regression_fixtures import build_tiny_llama, build_tokenizer  # noqa: E402
+
+from sparsevllm.regression import runner as runner_module  # noqa: E402
+from sparsevllm.regression.__main__ import parse_args  # noqa: E402
+from sparsevllm.regression.runner import RunConfig, Runner, build_samples  # noqa: E402
+from sparsevllm.regression.variants import expand_variants  # noqa: E402
+
+ARTIFACTS = ("samples.jsonl", "summary.json", "summary.md", "run.json", "accuracy_vs_length.png")
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return build_tokenizer()
+
+
+class FakeLLM:
+    """Stands in for `LLM`: answers from the generated samples' references. `budget=1` plays a
+    lossy method: it forgets the answer of every even-indexed sample and perturbs its log-probs."""
+
+    def __init__(self, answers: dict, vocab: int, calls: list, method: str, knobs: dict):
+        self.answers, self.vocab, self.calls = answers, vocab, calls
+        self.lossy = method != "vanilla" and knobs.get("lossy_budget") == 1
+
+    def generate(self, prompts, params, use_tqdm=True):
+        self.calls.append(("generate", len(prompts)))
+        outs = []
+        for ids, sp in zip(prompts, params):
+            assert sp.temperature == 0.0
+            answers, index = self.answers[tuple(ids)]
+            text = "I do not know." if self.lossy and index % 2 == 0 else " " + ", ".join(answers)
+            outs.append({"text": text, "token_ids": [1, 2], "prompt_token_ids": ids,
+                         "finish_reason": "stop", "error": None,
+                         "metrics": {"arrival_time": 0.0, "first_token_time": 0.5,
+                                     "finish_time": 1.0, "token_times": [0.5, 1.0]}})
+        return outs
+
+    def teacher_forced_logprobs(self, prompts, continuations, use_tqdm=True):
+        self.calls.append(("teacher_forced", len(prompts)))
+        rows = []
+        for ids, cont in zip(prompts, continuations):
+            g = torch.Generator().manual_seed(sum(ids) % 10_000)
+            logits = torch.randn(len(cont), self.vocab, generator=g) * 3
+            if self.lossy:
+                logits = logits + torch.randn(len(cont), self.vocab) * 3
+            rows.append(torch.log_softmax(logits, -1))
+        return rows
+
+
+def _fake_runner(config, tokenizer, calls, monkeypatch):
+    monkeypatch.setattr(runner_module, "_greedy",
+                        lambda n: SimpleNamespace(temperature=0.0, max_tokens=n))
+    answers = {tuple(s.prompt_token_ids): (s.answers, s.index)
+               for s in build_samples(tokenizer, config)}
+
+    def factory(model, method, knobs):
+        return FakeLLM(answers, len(tokenizer), calls, method, knobs)
+
+    return Runner(config, llm_factory=factory, tokenizer=tokenizer)
+
+
+def _config(out_dir, **overrides):
+    base = dict(methods=["lossy"], tasks=["niah_single_number_noise", "niah_multivalue", "fidelity"],
+                lengths=[512, 768], samples=4, out_dir=str(out_dir),
+                hyper_params={"max_num_seqs": 4, "lossy": {"lossy_budget": [1, 2]}},
+                fidelity_tokens=8)
+    base.update(overrides)
+    return RunConfig(**base)
+
+
+def test_runner_scores_against_vanilla_and_writes_every_artifact(tmp_path, tokenizer, monkeypatch):
+    calls = []
+    summary = _fake_runner(_config(tmp_path), tokenizer, calls, monkeypatch).run()
+    for name in ARTIFACTS + ("accuracy_vs_budget.png",):
+        assert (tmp_path / name).stat().st_size > 0, name
+    records = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
+    assert len(records) == 3 * 3 * 2 * 4  # variants x tasks x lengths x samples
+    for r in records:
+        assert {"prompt_hash", "expected", "output", "score", "latency_s", "prompt_tokens"} <= set(r)
+        assert r["error"] is None and r["prompt_tokens"] <= r["length"]
+    cells = {(c["label"], c["task"], c["length"]): c for c in summary["cells"]}
+    for task in ("niah_single_number_noise", "niah_multivalue"):
+        for n in (512, 768):
+            assert cells[("vanilla", task, n)]["accuracy"] == 100.0
+            assert cells[("lossy[lossy_budget=2]", task, n)]["pass"]
+            lossy = cells[("lossy[lossy_budget=1]", task, n)]
+            assert lossy["accuracy"] == 50.0 and lossy["drop"] == 50.0 and not lossy["pass"]
+    exact = cells[("lossy[lossy_budget=2]", "fidelity", 512)]
+    assert exact["accuracy"] == 100.0 and exact["kl"] < 1e-3  # only the float16 storage noise
+    noisy = cells[("lossy[lossy_budget=1]", "fidelity", 512)]
+    assert noisy["accuracy"] < 100.0 and noisy["kl"] > 0.1
+    assert summary["overall"]["vanilla"]["pass"] and not summary["pass"]
+    assert summary["protocol"]["chat_template"] is True
+    md = (tmp_path / "summary.md").read_text()
+    assert "lossy[lossy_budget=1]" in md and "FAIL" in md and "greedy" in md
+    assert json.loads((tmp_path / "run.json").read_text())["status"] == "complete"
+    # Whole cells are batched: one generate() call per variant x task x length.
+    assert ("generate", 4) in calls and ("teacher_forced", 4) in calls
+
+
+def test_rerun_skips_finished_samples_and_redoes_missing_ones(tmp_path, tokenizer, monkeypatch):
+    calls = []
+    config = _config(tmp_path, methods=[], hyper_params={}, tasks=["niah_single_word_noise"])
+    _fake_runner(config, tokenizer, calls, monkeypatch).run()
+    assert sum(n for _, n in calls) == 8
+    calls.clear()
+    _fake_runner(config, tokenizer, calls, monkeypatch).run()
+    assert calls == []  # everything was done: no LLM is even built
+    lines = (tmp_path / "samples.jsonl").read_text().splitlines()
+    (tmp_path / "samples.jsonl").write_text("\n".join(lines[:5]) + "\n")
+    summary = _fake_runner(config, tokenizer, calls, monkeypatch).run()
+    assert sum(n for _, n in calls) == 3
+    assert all(c["scored"] == 4 for c in summary["cells"])
+
+
+def test_fidelity_reference_is_recomputed_when_its_file_is_gone(tmp_path, tokenizer, monkeypatch):
+    calls = []
+    config = _config(tmp_path, tasks=["fidelity"], lengths=[512], samples=2)
+    _fake_runner(config, tokenizer, calls, monkeypatch).run()
+    for f in (tmp_path / "fidelity_reference").iterdir():
+        f.unlink()
+    calls.clear()
+    summary = _fake_runner(config, tokenizer, calls, monkeypatch).run()
+    assert calls == [("teacher_forced", 2)]  # vanilla again; the methods' records stand
+    assert all(c["scored"] == 2 for c in summary["cells"])
+
+
+def test_engine_errors_are_recorded_not_fatal_and_retried(tmp_path, tokenizer, monkeypatch):
+    calls = []
+    config = _config(tmp_path, methods=["broken"], hyper_params={}, tasks=["niah_single_number_noise"],
+                     lengths=[512], samples=2)
+    runner = _fake_runner(config, tokenizer, calls, monkeypatch)
+    good = runner.llm_factory
+
+    def factory(model, method, knobs):
+        if method == "broken":
+            raise ValueError("unknown knob")
+        return good(model, method, knobs)
+
+    runner.llm_factory = factory
+    summary = runner.run()
+    cell = next(c for c in summary["cells"] if c["label"] == "broken")
+    assert cell["errors"] == 2 and not cell["pass"] and cell["accuracy"] is None
+    run = json.loads((tmp_path / "run.json").read_text())
+    assert run["status"] == "failed" and "unknown knob" in run["errors"][0]
+    calls.clear()
+    runner.llm_factory = good
+    summary = runner.run()
+    assert calls == [("generate", 2)] and summary["pass"]
+
+
+def test_hyper_params_route_shared_per_method_and_swept_knobs():
+    variants = expand_variants(
+        ["quest", "snapkv"],
+        {"max_num_seqs": 8, "quest_token_budget": 512, "snapkv": {"snapkv_capacity": [64, 128]}},
+        registered=["vanilla", "quest", "snapkv"])
+    by_label = {v.label: v for v in variants}
+    assert list(by_label) == ["vanilla", "quest", "snapkv[snapkv_capacity=64]",
+                              "snapkv[snapkv_capacity=128]"]
+    assert by_label["vanilla"].knobs == {"max_num_seqs": 8}  # method-prefixed knobs stay away
+    assert by_label["quest"].knobs == {"max_num_seqs": 8, "quest_token_budget": 512}
+    assert by_label["snapkv[snapkv_capacity=128]"].knobs == {"max_num_seqs": 8,
+                                                             "snapkv_capacity": 128}
+    assert all(v.reference == "vanilla" for v in variants)
+    assert len({v.variant_id for v in variants}) == 4
+
+
+def test_hyper_params_errors_name_the_argument():
+    with pytest.raises(ValueError, match="--methods.*bogus"):
+        expand_variants(["bogus"], {}, registered=["vanilla", "quest"])
+    with pytest.raises(ValueError, match="--hyper_params.*quest"):
+        expand_variants(["quest"], {"quest": 5}, registered=["vanilla", "quest"])
+    with pytest.raises(ValueError, match="empty list"):
+        expand_variants(["quest"], {"quest": {"quest_token_budget": []}}, registered=None)
+    with pytest.raises(ValueError, match="--tasks"):
+        Runner(RunConfig(tasks=["no_such_task"]), llm_factory=lambda *a: None, tokenizer=object())
+
+
+def test_cli_parses_lengths_lists_and_json():
+    config = parse_args(["--methods", "quest", "--lengths", "1k,2K,3000", "--samples", "3",
+                         "--hyper_params", '{"quest": {"quest_token_budget": [256, 512]}}',
+                         "--no_chat_template", "--tasks", "niah_multikey,fidelity"])
+    assert config.lengths == [1024, 2048, 3000] and config.samples == 3
+    assert config.methods == ["quest"] and not config.chat_template
+    assert config.hyper_params == {"quest": {"quest_token_budget": [256, 512]}}
+    assert config.tasks == ["niah_multikey", "fidelity"]
+    with pytest.raises(SystemExit):
+        parse_args(["--lengths", "abc"])
+
+
+def test_smoke_run_through_the_engine_with_a_tiny_random_model(tmp_path):
+    pytest.importorskip("sparsevllm.llm")
+    model = build_tiny_llama(str(tmp_path / "tiny"))
+    data = tmp_path / "toy.jsonl"
+    data.write_text(json.dumps({"context": "The capital of France is Paris. " * 80,
+                                "input": "What is the capital of France?", "answers": ["Paris"]}) + "\n")
+    out = tmp_path / "out"
+    config = RunConfig(model=model, methods=["vanilla"], samples=2, lengths=[512, 768],
+                       tasks=["niah_single_uuid_essay", "niah_multikey", "variable_tracking",
+                              "fidelity", f"{data}:contains"],
+                       hyper_params={"max_model_len": 1024, "dtype": "float32"},
+                       out_dir=str(out), fidelity_tokens=4)
+    summary = Runner(config).run()
+    for name in ARTIFACTS:
+        assert (out / name).stat().st_size > 0, name
+    records = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    assert len(records) == 5 * 2 * 2 - 2  # the one-line dataset gives one sample per length
+    assert all(r["error"] is None for r in records), [r["error"] for r in records if r["error"]]
+    fidelity = [c for c in summary["cells"] if c["task"] == "fidelity"]
+    assert all(c["accuracy"] == 100.0 and abs(c["kl"]) < 1e-6 for c in fidelity)
+
+
+@pytest.mark.slow
+def test_smollm2_vanilla_retrieves_passkeys_at_1k(tmp_path):
+    """Measured: vanilla SmolLM2-135M-Instruct finds every number needle in noise at 1K."""
+    config = RunConfig(model=None, methods=["vanilla"], samples=4, lengths=[1024],
+                       tasks=["niah_single_number_noise", "fidelity"], out_dir=str(tmp_path),
+                       fidelity_tokens=16)
+    summary = Runner(config).run()
+    cells = {c["task"]: c for c in summary["cells"]}
+    assert cells["niah_single_number_noise"]["accuracy"] == 100.0
+    assert cells["fidelity"]["accuracy"] == 100.0
+    assert cells["fidelity"]["text_top1"] > 40.0  # the model does predict the docs text
+    assert summary["pass"]
