@@ -13,6 +13,7 @@ ARCHS = {
     "llama_tied": dict(cls="LlamaConfig", extra=dict(tie_word_embeddings=True)),
     "qwen2": dict(cls="Qwen2Config", extra=dict(tie_word_embeddings=False)),
     "qwen3": dict(cls="Qwen3Config", extra=dict(tie_word_embeddings=False, head_dim=16)),
+    "mistral": dict(cls="MistralConfig", extra=dict(tie_word_embeddings=False, sliding_window=None)),
 }
 
 
@@ -25,7 +26,7 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-def make_tiny_model(path, arch: str = "llama", seed: int = 0, **overrides):
+def make_tiny_model(path, arch: str = "llama", seed: int = 0, max_shard_size=None, **overrides):
     """A tiny random Hugging Face model saved as safetensors. A large initializer_range keeps the
     logits far from ties, so greedy decoding is a sharp test of numerical equality."""
     import transformers
@@ -43,7 +44,7 @@ def make_tiny_model(path, arch: str = "llama", seed: int = 0, **overrides):
             for layer in model.model.layers:
                 for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                     proj.bias.normal_(0, 0.2)
-    model.save_pretrained(path)
+    model.save_pretrained(path, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
     return str(path)
 
 

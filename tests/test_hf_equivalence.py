@@ -21,7 +21,7 @@ def hf_logits(path, ids):
         return model(torch.tensor([ids])).logits[0]
 
 
-@pytest.mark.parametrize("arch", ["llama", "llama_tied", "qwen2", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "llama_tied", "qwen2", "qwen3", "mistral"])
 def test_greedy_matches_transformers_batch_1_and_batched(tiny_model, arch):
     path = tiny_model(arch)
     llm = LLM(path, page_size=4)
@@ -52,3 +52,12 @@ def test_llama3_rope_scaling_matches_transformers(tiny_model):
     prompt = list(range(3, 120))
     sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     assert llm.generate(prompt, sp, use_tqdm=False)[0]["token_ids"] == hf_greedy(path, prompt, 8)
+
+
+def test_sharded_checkpoint_loads_like_a_single_file(tmp_path):
+    from conftest import make_tiny_model
+    path = make_tiny_model(tmp_path / "sharded", "qwen2", max_shard_size="60KB")
+    import os
+    assert os.path.exists(os.path.join(path, "model.safetensors.index.json"))
+    sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    assert LLM(path).generate(PROMPTS[0], sp, use_tqdm=False)[0]["token_ids"] == hf_greedy(path, PROMPTS[0], 8)
