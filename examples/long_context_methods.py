@@ -1,0 +1,16 @@
+"""The same long prompt (a passkey hidden in ~800 tokens of filler) through vanilla, QuEST and SnapKV.
+
+    python examples/long_context_methods.py
+"""
+from sparsevllm import LLM, SamplingParams
+
+filler = "The grass is green. The sky is blue. The sun is yellow. Here we go. " * 20
+prompt = f"{filler}The pass key is 71432. Remember it. {filler}\nWhat is the pass key?"
+sp = SamplingParams(temperature=0.0, max_tokens=12)
+
+for method, knobs in [("vanilla", {}),
+                      ("quest", {"quest_token_budget": 256}),
+                      ("snapkv", {"snapkv_capacity": 256})]:
+    llm = LLM(vllm_sparse_method=method, **knobs)
+    out = llm.chat([{"role": "user", "content": prompt}], sp, use_tqdm=False)[0]
+    print(f"{method:8s} {len(out['prompt_token_ids'])} prompt tokens -> {out['text']!r}")
