@@ -206,16 +206,16 @@ def test_smoke_run_through_the_engine_with_a_tiny_random_model(tmp_path):
     data.write_text(json.dumps({"context": "The capital of France is Paris. " * 80,
                                 "input": "What is the capital of France?", "answers": ["Paris"]}) + "\n")
     out = tmp_path / "out"
+    # Few, short-answer tasks: a random model never stops, so each costs max_tokens decode steps.
     config = RunConfig(model=model, methods=["vanilla"], samples=2, lengths=[512, 768],
-                       tasks=["niah_single_uuid_essay", "niah_multikey", "variable_tracking",
-                              "fidelity", f"{data}:contains"],
+                       tasks=["niah_single_number_noise", "fidelity", f"{data}:contains"],
                        hyper_params={"max_model_len": 1024, "dtype": "float32"},
                        out_dir=str(out), fidelity_tokens=4)
     summary = Runner(config).run()
     for name in ARTIFACTS:
         assert (out / name).stat().st_size > 0, name
     records = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
-    assert len(records) == 5 * 2 * 2 - 2  # the one-line dataset gives one sample per length
+    assert len(records) == 3 * 2 * 2 - 2  # the one-line dataset gives one sample per length
     assert all(r["error"] is None for r in records), [r["error"] for r in records if r["error"]]
     fidelity = [c for c in summary["cells"] if c["task"] == "fidelity"]
     assert all(c["accuracy"] == 100.0 and abs(c["kl"]) < 1e-6 for c in fidelity)

@@ -123,7 +123,8 @@ def test_fidelity_compare_identical_and_shifted_distributions():
     worse[torch.arange(5), target] = -30.0
     got = compare(ref, worse, target)
     assert got["top1_agreement"] < 1.0
-    expected_kl = (ref.exp() * (ref - worse)).sum(-1).mean().item()
+    worse_normalized = worse - worse.logsumexp(-1, keepdim=True)  # compare() renormalizes
+    expected_kl = (ref.exp() * (ref - worse_normalized)).sum(-1).mean().item()
     assert got["kl"] == pytest.approx(expected_kl, rel=1e-5)
     with pytest.raises(ValueError, match="shapes"):
         compare(ref, ref[:3], target)

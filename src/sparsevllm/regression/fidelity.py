@@ -63,9 +63,12 @@ def compare(reference: torch.Tensor, logprobs: torch.Tensor, continuation: list[
     if reference.shape != logprobs.shape:
         raise ValueError(f"log-prob shapes differ: vanilla {tuple(reference.shape)}, "
                          f"method {tuple(logprobs.shape)}")
+    # Renormalize both: float16 storage (vanilla) and float32 log-softmax over a large vocabulary
+    # (both) leave log-sum-exp ~1e-5 off zero, which would otherwise show up as KL.
     ref = reference.float()
-    ref = ref - ref.logsumexp(-1, keepdim=True)  # undo the float16 storage's loss of normalization
-    test = logprobs.float().clamp_min(MIN_LOGPROB)
+    ref = ref - ref.logsumexp(-1, keepdim=True)
+    test = logprobs.float()
+    test = (test - test.logsumexp(-1, keepdim=True)).clamp_min(MIN_LOGPROB)
     kl = F.kl_div(test, ref, log_target=True, reduction="none").sum(-1)
     target = torch.tensor(continuation, dtype=torch.long)
     return {

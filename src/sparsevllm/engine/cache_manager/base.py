@@ -91,6 +91,7 @@ class CacheManager:
         # The same tables as int32 arrays, so building a step's [B, N] table is B row copies rather
         # than N Python ints per request (at 128K context that is thousands per step).
         self._table_arrays: dict[int, np.ndarray] = {}
+        self._hash_memo: dict[int, list[int]] = {}
         self.prefix_caching = config.enable_prefix_caching and self.capabilities.prefix_cache
 
     # ---- sizing -----------------------------------------------------------------------------
@@ -106,19 +107,16 @@ class CacheManager:
     def num_pages(self) -> int:
         return self.allocator.num_pages
 
-    def max_tokens_per_request(self) -> int:
-        """The longest request the pool could ever hold; longer ones fail instead of waiting forever."""
-        return self.num_pages * self.page_size
-
     # ---- capacity and lifecycle (scheduler-facing) --------------------------------------------
     def _prefix_hashes(self, seq: Sequence) -> list[int]:
         """Chained hashes of the full pages of seq's tokens that prefill may skip (never the last
-        token: its logits are needed)."""
-        hashes, h = [], -1
-        for i in range((len(seq) - 1) // self.page_size):
-            h = page_hash(seq.token_ids[i * self.page_size:(i + 1) * self.page_size], h)
-            hashes.append(h)
-        return hashes
+        token: its logits are needed). Memoised per request: a long prompt waiting at the head of
+        the queue is asked about every step, and its tokens only ever grow at the end."""
+        hashes = self._hash_memo.setdefault(seq.seq_id, [])
+        P = self.page_size
+        for i in range(len(hashes), (len(seq) - 1) // P):
+            hashes.append(page_hash(seq.token_ids[i * P:(i + 1) * P], hashes[-1] if hashes else -1))
+        return hashes[:(len(seq) - 1) // P]
 
     def _cached_prefix(self, seq: Sequence) -> list[int]:
         pages = []
@@ -175,6 +173,8 @@ class CacheManager:
         for page in reversed(self.block_tables.pop(seq.seq_id, [])):
             self.allocator.release(page)
         self._table_arrays.pop(seq.seq_id, None)
+        if seq.is_finished:
+            self._hash_memo.pop(seq.seq_id, None)
 
     def commit(self, seq: Sequence, num_new_tokens: int) -> None:
         """After a step stored num_new_tokens for seq: advance the counters and name newly full pages.
