@@ -156,15 +156,7 @@ def plot(summary: dict, out_dir: str) -> list[str]:
         ax.set_title(task)
         ax.set_xlabel("prompt length (tokens)")
         ax.set_ylabel("top-1 agreement %" if task == "fidelity" else "accuracy %")
-        ax.set_ylim(-5, 105)
-        ax.grid(alpha=0.3)
-    for ax in list(axes.flat)[len(tasks):]:
-        ax.axis("off")
-    axes.flat[0].legend(fontsize=7)
-    fig.tight_layout()
-    paths.append(os.path.join(out_dir, "accuracy_vs_length.png"))
-    fig.savefig(paths[-1], dpi=110)
-    plt.close(fig)
+    paths.append(_save_panels(fig, axes, len(tasks), os.path.join(out_dir, "accuracy_vs_length.png")))
 
     swept = [c for c in cells if c["sweep"] and c["method"] != "vanilla"]
     if swept:
@@ -185,16 +177,23 @@ def plot(summary: dict, out_dir: str) -> list[str]:
             ax.set_title(f"{task} (dashed: vanilla)")
             ax.set_xlabel(knob)
             ax.set_ylabel("accuracy %")
-            ax.set_ylim(-5, 105)
-            ax.grid(alpha=0.3)
-        for ax in list(axes.flat)[len(tasks):]:
-            ax.axis("off")
-        axes.flat[0].legend(fontsize=7)
-        fig.tight_layout()
-        paths.append(os.path.join(out_dir, "accuracy_vs_budget.png"))
-        fig.savefig(paths[-1], dpi=110)
-        plt.close(fig)
+        paths.append(_save_panels(fig, axes, len(tasks), os.path.join(out_dir, "accuracy_vs_budget.png")))
     return paths
+
+
+def _save_panels(fig, axes, num_used: int, path: str) -> str:
+    """Shared finish of the per-task panel figures: scale, grid, blank spare panels, legend, save."""
+    import matplotlib.pyplot as plt
+    for ax in list(axes.flat)[:num_used]:
+        ax.set_ylim(-5, 105)
+        ax.grid(alpha=0.3)
+    for ax in list(axes.flat)[num_used:]:
+        ax.axis("off")
+    axes.flat[0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 def write_reports(config, variants, samples, records, out_dir, key_fn, chat_template) -> dict:
