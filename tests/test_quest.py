@@ -20,7 +20,6 @@ import pytest  # noqa: E402
 
 from sparsevllm import LLM, SamplingParams  # noqa: E402
 from sparsevllm.config import make_config  # noqa: E402
-from sparsevllm.engine.cache_manager import quest as quest_cm  # noqa: E402
 from sparsevllm.kernels import quest as qk  # noqa: E402
 
 CUDA = torch.cuda.is_available()
@@ -239,9 +238,22 @@ def test_select_pages_dense_rows_and_lengths():
                            [[9.0, 8.0, inf, inf, inf, inf, inf, inf]]])
     bt = torch.tensor([[10, 11, 12, 13, 14, 15, 7, 7], [20, 21, 22, 5, 5, 5, 5, 5]], dtype=torch.int32)
     ctx = torch.tensor([5 * 4 + 3, 2 * 4 + 1], dtype=torch.int32)
-    table, lengths = quest_cm.select_pages(scores, bt, ctx, 4, 3)
-    assert table.tolist() == [[[11, 13, 15]], [[20, 21, 22]]]
-    assert lengths.tolist() == [[2 * 4 + 3], [9]]
+    dev = "cuda" if CUDA else "cpu"   # the Triton version runs in the interpreter on CPU
+    for select in (qk.select_pages_ref, qk.select_pages_triton):
+        table, lengths = select(scores.to(dev), bt.to(dev), ctx.to(dev), 4, 3)
+        assert table.tolist() == [[[11, 13, 15]], [[20, 21, 22]]]
+        assert lengths.tolist() == [[2 * 4 + 3], [9]]
+
+
+def test_select_pages_breaks_ties_in_page_order():
+    # Page 3 scores highest, pages 0..9 tie at 0: the three other slots go to pages 0, 1, 2.
+    dev = "cuda" if CUDA else "cpu"
+    scores = torch.zeros(1, 1, 20, device=dev)
+    scores[0, 0, 10:] = float("-inf")
+    scores[0, 0, 3] = 1.0
+    table, lengths = qk.select_pages_triton(scores, torch.arange(20, device=dev).int().view(1, 20),
+                                            torch.tensor([10 * 4 + 2], device=dev).int(), 4, 5)
+    assert table.tolist() == [[[0, 1, 2, 3, 10]]] and lengths.tolist() == [[42 - 6 * 4]]
 
 
 # ---------------------------------------------------------------- kernels (interpreter on CPU)
@@ -294,6 +306,25 @@ def test_quest_scores_triton_matches_reference(P, shared, dtype):
     torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-4)
 
 
+def select_case(g, B, G, N, P, device):
+    """Random scores (some negative) with -inf at and past each row's current page."""
+    scores = torch.randn(B, G, N, generator=g) * 4
+    bt = torch.randperm(B * N + 7, generator=g)[:B * N].view(B, N).int()
+    ctx = torch.randint(1, N * P + 1, (B,), generator=g).int()
+    ctx[0], ctx[-1] = N * P, 1
+    current = (ctx.long() - 1) // P
+    scores = scores.masked_fill(torch.arange(N).view(1, 1, N) >= current.view(B, 1, 1), float("-inf"))
+    return [x.to(device) for x in (scores, bt, ctx)]
+
+
+@interp
+@pytest.mark.parametrize("B,G,N,P,n", [(3, 2, 40, 4, 5), (4, 8, 300, 16, 128), (2, 1, 17, 1, 3)])
+def test_select_pages_triton_matches_reference(B, G, N, P, n):
+    args = select_case(torch.Generator().manual_seed(N), B, G, N, P, "cpu")
+    got, want = qk.select_pages_triton(*args, P, n), qk.select_pages_ref(*args, P, n)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
 # ---------------------------------------------------------------- GPU
 
 @gpu
@@ -312,6 +343,11 @@ def test_gpu_quest_kernels_match_references_bf16(shared):
         qk.page_minmax(*args, P)
         qk.page_minmax_ref(*ref, P)
         assert torch.equal(args[2], ref[2]) and torch.equal(args[3], ref[3])
+    # 128K tokens of 16-token pages, budget 2048: the benchmark's shape.
+    for B, G, N, n in [(4, 8, 8016, 128), (3, 1, 8016, 128), (7, 8, 300, 3)]:
+        args = select_case(g, B, G, N, 16, "cuda")
+        got, want = qk.select_pages(*args, 16, n), qk.select_pages_ref(*args, 16, n)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
 @gpu

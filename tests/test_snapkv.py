@@ -130,7 +130,8 @@ def oracle_kept(q, keys, capacity, kernel, pooling):
     for j in range(L - w):
         lo, hi = max(0, j - pad), min(L - w, j + pad + 1)
         pooled[:, j] = scores[:, lo:hi].amax(1) if pooling == "max" else scores[:, lo:hi].sum(1) / kernel
-    return pooled, pooled.topk(capacity - w, dim=1).indices
+    # Ties (max-pooling plateaus) go to the earlier position.
+    return pooled, pooled.sort(dim=1, descending=True, stable=True).indices[:, :capacity - w]
 
 
 @pytest.mark.parametrize("pooling", ["max", "avg"])
@@ -146,14 +147,15 @@ def test_kept_set_equals_naive_oracle(shape, pooling):
     assert torch.equal(kept[:, -w:], torch.arange(L - w, L).expand(Hkv, w)), "the window is always kept"
     assert (kept.diff(dim=1) > 0).all(), "kept positions ascend without repeats"
     for h in range(Hkv):
-        got, want = set(kept[h, :-w].tolist()), set(top[h].tolist())
-        if pooling == "avg":
-            assert got == want
-        else:  # max pooling makes plateaus of equal scores: the boundary may fall inside one
-            threshold = pooled[h].topk(capacity - w).values[-1]
-            ours = pooled[h, kept[h, :-w]]
-            assert (ours >= threshold - 1e-9).all()
-            assert len(got ^ want) == 0 or torch.isclose(pooled[h, list(got ^ want)], threshold).all()
+        assert set(kept[h, :-w].tolist()) == set(top[h].tolist())
+
+
+def test_ties_at_the_cut_go_to_earlier_positions():
+    # Max pooling (k = 3) turns the two peaks into plateaus 0..2 and 5..7 of equal score; keeping
+    # 4 prefix positions cuts into the second plateau, which keeps its earliest position.
+    scores = torch.tensor([[0.0, 5.0, 0.0, 0.0, 0.0, 0.0, 5.0, 0.0, 0.0, 0.0, 1.0, 1.0]])
+    kept = sk.select_kept(scores, 2, 6, 3, "max")
+    assert kept.tolist() == [[0, 1, 2, 5, 10, 11]]
 
 
 @pytest.mark.skipif(CUDA, reason="interpreter tests run on CPU-only machines")

@@ -1,4 +1,5 @@
-"""Quest's two kernels: per-page key min/max after a write, and the page upper-bound scores.
+"""Quest's three kernels: per-page key min/max after a write, the page upper-bound scores, and the
+selection of the top pages into a decode view.
 
 page_minmax: for every page a step wrote into, recompute the channel-wise min and max of the keys
 stored in it so far, per KV head. A touched page is named by the slot of the last token the step
@@ -14,6 +15,13 @@ at or after the current (last) page of the request score -inf: the current page 
 attended and is not a candidate, and entries past the row's pages are padding. Programs whose
 pages all lie past the row's current page write -inf and exit, so the work follows the real
 length, not the static table width that CUDA graphs use.
+
+select_pages: per row (request, page set), the n - 1 highest-scoring candidate pages in logical
+order, then the current page. The Triton version is one program per row: it finds the (n - 1)-th
+largest score by bisection over the scores' order-preserving integer keys (32 halvings of the
+int32 range, the row held in registers), then writes the pages above it (and the first ties, in
+page order) through a prefix sum, already in logical order. It replaces a top-k, a sort and
+several gathers and concatenations, a dozen launches per layer, with one.
 """
 import torch
 
@@ -167,3 +175,102 @@ def quest_scores(q, kmin, kmax, block_tables, context_lens, page_size, shared):
     if use_triton(q):
         return quest_scores_triton(q, kmin, kmax, block_tables, context_lens, page_size, shared)
     return quest_scores_ref(q, kmin, kmax, block_tables, context_lens, page_size, shared)
+
+
+# ---------------------------------------------------------------- page selection
+
+def select_pages_ref(scores: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
+                     page_size: int, budget_pages: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quest's decode view from page scores. scores: [B, G, N] fp32 (-inf where not a candidate),
+    block_tables: [B, N] with N > budget_pages, context_lens: [B] -> (table [B, G, n] int32,
+    lengths [B, G] int32).
+
+    Row (b, g) gets its top n - 1 scored pages in logical order, then the current page; a row of
+    <= n pages gets the first n entries of its table (the length masks the rest). Only static
+    shapes and tensor ops, so it also runs inside CUDA graphs.
+    """
+    B, G, N = scores.shape
+    n, P = budget_pages, page_size
+    ctx = context_lens.long()
+    current = (ctx - 1) // P
+    # A row with more than n pages has at least n candidates, so the top n - 1 are all real pages.
+    top = scores.topk(n - 1, dim=-1, sorted=False).indices.sort(dim=-1).values
+    tables = block_tables.unsqueeze(1).expand(B, G, N)
+    last = block_tables.gather(1, current.clamp(min=0).unsqueeze(1)).unsqueeze(1).expand(B, G, 1)
+    sparse = torch.cat([tables.gather(2, top), last], dim=2)
+    dense = current < n
+    table = torch.where(dense.view(B, 1, 1), tables[:, :, :n], sparse).to(torch.int32).contiguous()
+    # Sparse rows: n - 1 full pages plus the filled part of the current page.
+    lengths = torch.where(dense, ctx, ctx - (current - (n - 1)) * P)
+    return table, lengths.to(torch.int32).view(B, 1).expand(B, G).contiguous()
+
+
+@jit
+def _sort_key(x):
+    """fp32 -> int32 with the same order (negative floats have their magnitude bits flipped)."""
+    bits = x.to(tl.int32, bitcast=True)
+    return bits ^ ((bits >> 31) & 0x7FFFFFFF)
+
+
+@jit
+def _select_pages_kernel(score_ptr, table_ptr, len_ptr, out_ptr, out_len_ptr,
+                         stride_sb, stride_sg, stride_tb, stride_ob, stride_og, N, G,
+                         P: tl.constexpr, NUM_PAGES: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_K: tl.constexpr):
+    b = tl.program_id(0)
+    g = tl.program_id(1)
+    ctx = tl.load(len_ptr + b)
+    current = (ctx - 1) // P
+    out_row = out_ptr + b * stride_ob + g * stride_og
+    firsts = tl.arange(0, BLOCK_K)
+    if current < NUM_PAGES:   # at most n pages: the first n entries, the length masks the rest
+        page = tl.load(table_ptr + b * stride_tb + firsts, mask=firsts < NUM_PAGES, other=0)
+        tl.store(out_row + firsts, page, mask=firsts < NUM_PAGES)
+        tl.store(out_len_ptr + b * G + g, ctx)
+        return
+    offs = tl.arange(0, BLOCK_N)
+    in_row = offs < N
+    key = _sort_key(tl.load(score_ptr + b * stride_sb + g * stride_sg + offs, mask=in_row,
+                            other=float("-inf"))).to(tl.int64)
+    # Bisection for the largest t with count(key >= t) >= k: the k-th largest key.
+    k = NUM_PAGES - 1
+    lo = tl.full([], -2147483648, tl.int64)
+    hi = tl.full([], 2147483647, tl.int64)
+    for _ in range(32):
+        mid = (lo + hi + 1) >> 1
+        enough = tl.sum((key >= mid).to(tl.int32), 0) >= k
+        lo = tl.where(enough, mid, lo)
+        hi = tl.where(enough, hi, mid - 1)
+    above = key > lo
+    tie = (key == lo) & in_row
+    # Ties at the threshold fill the remaining slots in page order.
+    free = k - tl.sum(above.to(tl.int32), 0)
+    chosen = above | (tie & (tl.cumsum(tie.to(tl.int32), 0) <= free))
+    slot = tl.cumsum(chosen.to(tl.int32), 0) - 1
+    page = tl.load(table_ptr + b * stride_tb + offs, mask=chosen, other=0)
+    tl.store(out_row + slot, page, mask=chosen)
+    tl.store(out_row + k, tl.load(table_ptr + b * stride_tb + current))
+    tl.store(out_len_ptr + b * G + g, ctx - (current - k) * P)
+
+
+def select_pages_triton(scores: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
+                        page_size: int, budget_pages: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same contract as select_pages_ref; one program per (request, page set)."""
+    B, G, N = scores.shape
+    assert scores.dtype == torch.float32 and scores.stride(-1) == 1 and block_tables.shape == (B, N)
+    assert block_tables.stride(-1) == 1 and context_lens.shape == (B,) and N > budget_pages >= 2
+    table = torch.empty(B, G, budget_pages, dtype=torch.int32, device=scores.device)
+    lengths = torch.empty(B, G, dtype=torch.int32, device=scores.device)
+    block_n = pow2(N)
+    _select_pages_kernel[(B, G)](
+        scores, block_tables, context_lens.to(torch.int32), table, lengths,
+        scores.stride(0), scores.stride(1), block_tables.stride(0), table.stride(0), table.stride(1), N, G,
+        P=int(page_size), NUM_PAGES=int(budget_pages), BLOCK_N=block_n, BLOCK_K=pow2(budget_pages),
+        num_warps=max(4, min(16, block_n // 512)))
+    return table, lengths
+
+
+def select_pages(scores, block_tables, context_lens, page_size, budget_pages):
+    if use_triton(scores):
+        return select_pages_triton(scores, block_tables, context_lens, page_size, budget_pages)
+    return select_pages_ref(scores, block_tables, context_lens, page_size, budget_pages)

@@ -138,7 +138,8 @@ def select_kept(scores: torch.Tensor, window: int, capacity: int, kernel_size: i
 
     Pooling is 1-D over positions, stride 1, same padding, as the official code does it with
     F.max_pool1d / F.avg_pool1d: max pads with -inf (padding never wins), avg with zeros that
-    count in the mean (count_include_pad), so edge scores are diluted."""
+    count in the mean (count_include_pad), so edge scores are diluted. Equal pooled scores at the
+    cut go to the earlier position (the official topk leaves that choice to the device)."""
     L = scores.shape[-1]
     prefix = scores[..., :L - window]
     flat = prefix.reshape(-1, 1, L - window)
@@ -147,6 +148,9 @@ def select_kept(scores: torch.Tensor, window: int, capacity: int, kernel_size: i
         pooled = F.max_pool1d(flat, kernel_size, stride=1, padding=pad)
     else:
         pooled = F.avg_pool1d(flat, kernel_size, stride=1, padding=pad, count_include_pad=True)
-    top = pooled.view(prefix.shape).topk(capacity - window, dim=-1).indices.sort(dim=-1).values
+    # Max pooling makes plateaus of equal scores, so ties at the cut are common. topk breaks them
+    # differently on CPU and GPU; a stable sort keeps the earlier position on every device.
+    order = pooled.view(prefix.shape).sort(dim=-1, descending=True, stable=True).indices
+    top = order[..., :capacity - window].sort(dim=-1).values
     win = torch.arange(L - window, L, device=scores.device).expand(*prefix.shape[:-1], window)
     return torch.cat([top, win], dim=-1)

@@ -29,7 +29,7 @@ import torch
 from sparsevllm.config import EngineConfig, MethodConfig
 from sparsevllm.engine.cache_manager.base import CacheManager, DecodeView, StepState
 from sparsevllm.engine.sequence import Sequence
-from sparsevllm.kernels.quest import page_minmax, quest_scores
+from sparsevllm.kernels.quest import page_minmax, quest_scores, select_pages
 from sparsevllm.method_registry import register_method
 
 
@@ -63,30 +63,6 @@ class QuestConfig(MethodConfig):
         shared = self.quest_shared_selection
         if not isinstance(shared, bool):
             raise ValueError(f"quest_shared_selection={shared!r} is invalid; valid: True | False")
-
-
-def select_pages(scores: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
-                 page_size: int, budget_pages: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quest's decode view from page scores. scores: [B, G, N] (-inf where not a candidate),
-    block_tables: [B, N] with N > budget_pages, context_lens: [B] -> (table [B, G, n], lengths [B, G]).
-
-    Row (b, g) gets its top n - 1 scored pages in logical order, then the current page; a row of
-    <= n pages gets all its pages. Only static shapes and tensor ops: it runs inside CUDA graphs.
-    """
-    B, G, N = scores.shape
-    n, P = budget_pages, page_size
-    ctx = context_lens.long()
-    current = (ctx - 1) // P
-    # A row with more than n pages has at least n candidates, so the top n - 1 are all real pages.
-    top = scores.topk(n - 1, dim=-1, sorted=False).indices.sort(dim=-1).values
-    tables = block_tables.unsqueeze(1).expand(B, G, N)
-    last = block_tables.gather(1, current.unsqueeze(1)).unsqueeze(1).expand(B, G, 1)
-    sparse = torch.cat([tables.gather(2, top), last], dim=2)
-    dense = current < n
-    table = torch.where(dense.view(B, 1, 1), tables[:, :, :n], sparse).to(torch.int32).contiguous()
-    # Sparse rows: n - 1 full pages plus the filled part of the current page.
-    lengths = torch.where(dense, ctx, ctx - (current - (n - 1)) * P)
-    return table, lengths.to(torch.int32).view(B, 1).expand(B, G).contiguous()
 
 
 @register_method("quest")
