@@ -23,7 +23,8 @@ def kind(name: str) -> str:
     for key, label in (("decode_split", "decode attention"), ("decode_merge", "decode attention (merge)"),
                        ("gemm", "GEMM"), ("gemv", "GEMM"), ("nvjet", "GEMM"), ("cutlass", "GEMM"),
                        ("rms_norm", "rmsnorm"), ("rope", "rope"), ("silu", "silu_mul"), ("store", "kv store"),
-                       ("argmax", "sampling"), ("copy", "copies"), ("quest", "method")):
+                       ("argmax", "sampling"), ("copy", "copies"), ("quest_scores", "method: scores"),
+                       ("select_pages", "method: select"), ("page_minmax", "method: page min/max")):
         if key in n:
             return label
     return "other"

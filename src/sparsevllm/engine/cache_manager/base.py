@@ -16,6 +16,7 @@ import torch
 from sparsevllm.config import EngineConfig, MethodConfig
 from sparsevllm.engine.kv_pool import KVPool, PageAllocator, page_hash
 from sparsevllm.engine.sequence import Sequence
+from sparsevllm.engine.staging import HostStaging
 from sparsevllm.kernels.kv_store import store_kv
 
 
@@ -92,6 +93,7 @@ class CacheManager:
         # than N Python ints per request (at 128K context that is thousands per step).
         self._table_arrays: dict[int, np.ndarray] = {}
         self._hash_memo: dict[int, list[int]] = {}
+        self.staging = HostStaging(torch.device(device))
         self.prefix_caching = config.enable_prefix_caching and self.capabilities.prefix_cache
 
     # ---- sizing -----------------------------------------------------------------------------
@@ -208,12 +210,14 @@ class CacheManager:
     def prepare_step(self, seqs: list[Sequence], num_tokens: list[int], is_prefill: bool) -> StepState:
         P, B, T = self.page_size, len(seqs), sum(num_tokens)
         width = max(len(self.block_tables[s.seq_id]) for s in seqs)
-        # Every integer input of the step goes into one host buffer and crosses to the device in one
-        # copy: per-tensor copies cost more than the decode step's own host work at small batch.
-        buf = np.empty(3 * T + 2 * B + 1 + B * width, dtype=np.int64)
-        ids, pos, slots = buf[:T], buf[T:2 * T], buf[2 * T:3 * T]
-        ctx, cu = buf[3 * T:3 * T + B], buf[3 * T + B:3 * T + 2 * B + 1]
-        tables = buf[3 * T + 2 * B + 1:].reshape(B, width)
+        # Every integer input of the step goes into one (pinned) host buffer and crosses to the
+        # device in one copy, already in the dtypes the kernels take: per-tensor copies and casts
+        # cost more than the decode step's own host work at small batch.
+        n64, n32 = 4 * T + B, B * width + 2 * B + 1          # int64: ids, pos, slots, logits rows
+        raw = self.staging.host(8 * n64 + 4 * n32)
+        i64, i32 = raw[:8 * n64].view(np.int64), raw[8 * n64:].view(np.int32)
+        ids, pos, slots, rows = i64[:T], i64[T:2 * T], i64[2 * T:3 * T], i64[3 * T:3 * T + B]
+        ctx, cu, tables = i32[:B], i32[B:2 * B + 1], i32[2 * B + 1:].reshape(B, width)
         cu[0], off = 0, 0
         for i, (seq, n) in enumerate(zip(seqs, num_tokens)):
             start = seq.num_computed_tokens
@@ -226,15 +230,15 @@ class CacheManager:
             ctx[i] = seq.cache_len + n
             off += n
             cu[i + 1] = off
-        dev_buf = torch.from_numpy(buf).to(self.device)
-        d_ctx, d_cu = dev_buf[3 * T:3 * T + B], dev_buf[3 * T + B:3 * T + 2 * B + 1]
+        rows[:] = cu[1:] - 1
+        has_prefix = bool((ctx != np.asarray(num_tokens)).any())
+        dev = self.staging.upload(raw)
+        d64, d32 = dev[:8 * n64].view(torch.int64), dev[8 * n64:].view(torch.int32)
         return StepState(
             is_prefill=is_prefill, seqs=seqs, num_tokens=list(num_tokens),
-            input_ids=dev_buf[:T], positions=dev_buf[T:2 * T], slot_mapping=dev_buf[2 * T:3 * T],
-            block_tables=dev_buf[3 * T + 2 * B + 1:].view(B, width).to(torch.int32),
-            context_lens=d_ctx.to(torch.int32), cu_seqlens_q=d_cu.to(torch.int32), max_seqlen_q=max(num_tokens),
-            has_prefix=any(int(c) != n for c, n in zip(ctx, num_tokens)),
-            logits_indices=d_cu[1:] - 1)
+            input_ids=d64[:T], positions=d64[T:2 * T], slot_mapping=d64[2 * T:3 * T],
+            block_tables=d32[2 * B + 1:].view(B, width), context_lens=d32[:B], cu_seqlens_q=d32[B:2 * B + 1],
+            max_seqlen_q=max(num_tokens), has_prefix=has_prefix, logits_indices=d64[3 * T:3 * T + B])
 
     def graph_extras(self, max_batch_size: int) -> dict[str, torch.Tensor]:
         """Static buffers for the method's StepState.extras (first dim = batch), used by CUDA graphs."""

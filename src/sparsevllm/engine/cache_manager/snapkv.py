@@ -22,7 +22,8 @@ Deviations from the official code:
   of the kept KV. We select per KV head with the window scores averaged over the group's query
   heads (as kvpress does), so the cache keeps its GQA size.
 - The summed window probabilities stay fp32 through pooling and top-k (the official code casts
-  the softmax back to the model dtype first); ties in top-k are broken by torch.topk.
+  the softmax back to the model dtype first); equal pooled scores at the cut (max-pooling plateaus)
+  go to the earlier position, where torch.topk's choice differs between CPU and GPU.
 - The scores use the model's 1/sqrt(head_dim) attention scale (observe_prefill_queries does not
   receive the layer's scale; every supported architecture uses that scale).
 
