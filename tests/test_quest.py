@@ -273,10 +273,12 @@ def minmax_case(g, num_pages, P, H, D, dtype, device):
     return k_cache, last.to(device), kmin, kmax
 
 
-def scores_case(g, B, Hq, Hkv, D, P, N, dtype, device):
+def scores_case(g, B, Hq, Hkv, D, P, N, dtype, device, head_major=False):
     num_pages = B * N + 3
     kmin = torch.randn(num_pages, Hkv, D, generator=g)
     kmax = kmin + torch.rand(num_pages, Hkv, D, generator=g)
+    if head_major:   # the cache manager's layout: [H_kv, pages, D] storage seen as [pages, H_kv, D]
+        kmin, kmax = (x.transpose(0, 1).contiguous().transpose(0, 1) for x in (kmin, kmax))
     q = torch.randn(B, Hq, D, generator=g)
     bt = torch.randperm(num_pages, generator=g)[:B * N].view(B, N).int()
     ctx = torch.randint(1, N * P + 1, (B,), generator=g).int()
@@ -296,11 +298,11 @@ def test_page_minmax_triton_matches_reference(P, dtype):
 
 
 @interp
-@pytest.mark.parametrize("P,shared,dtype", [(16, False, torch.float32), (4, True, torch.float16),
-                                            (1, False, torch.float16)])
-def test_quest_scores_triton_matches_reference(P, shared, dtype):
+@pytest.mark.parametrize("P,shared,dtype,head_major", [(16, False, torch.float32, True), (4, True, torch.float16, False),
+                                                       (1, False, torch.float16, True)])
+def test_quest_scores_triton_matches_reference(P, shared, dtype, head_major):
     g = torch.Generator().manual_seed(P + shared)
-    args = scores_case(g, 3, 6, 2, 24, P, {1: 70, 4: 40, 16: 9}[P], dtype, "cpu")   # 70 pages: 3 blocks
+    args = scores_case(g, 3, 6, 2, 24, P, {1: 70, 4: 40, 16: 9}[P], dtype, "cpu", head_major)   # 70 pages: 3 blocks
     got, want = qk.quest_scores_triton(*args, P, shared), qk.quest_scores_ref(*args, P, shared)
     assert torch.equal(got.isinf(), want.isinf())
     torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-4)
@@ -333,7 +335,7 @@ def test_gpu_quest_kernels_match_references_bf16(shared):
     g = torch.Generator().manual_seed(21 + shared)
     bf = torch.bfloat16
     for B, N in [(1, 4096), (5, 300), (33, 64)]:
-        args = scores_case(g, B, 32, 8, 128, 16, N, bf, "cuda")
+        args = scores_case(g, B, 32, 8, 128, 16, N, bf, "cuda", head_major=B != 5)
         got, want = qk.quest_scores(*args, 16, shared), qk.quest_scores_ref(*args, 16, shared)
         assert torch.equal(got.isinf(), want.isinf())
         torch.testing.assert_close(got, want, atol=1e-2, rtol=1e-3)
