@@ -1,5 +1,5 @@
 """The decode-attention reference over a DecodeView equals plain dense attention over the tokens the
-view names: G = 1 and G = H_kv, page sizes 1 and 16, partial last pages, padded table entries."""
+view names: G = 1, G = H_kv and G = H_q, page sizes 1 and 16, partial last pages, padded table entries."""
 import pytest
 import torch
 
@@ -18,14 +18,14 @@ def dense_oracle(q, keys, values, scale):
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
-@pytest.mark.parametrize("per_head", [False, True])
-def test_decode_view_reference_matches_dense_oracle(page_size, per_head):
-    torch.manual_seed(page_size + 7 * per_head)
+@pytest.mark.parametrize("rows", ["shared", "kv_head", "query_head"])
+def test_decode_view_reference_matches_dense_oracle(page_size, rows):
+    torch.manual_seed(page_size + 7 * len(rows))
     B, Hq, Hkv, D, num_pages = 3, 8, 2, 16, 64
     P = page_size
     k_cache = torch.randn(num_pages * P, Hkv, D)
     v_cache = torch.randn(num_pages * P, Hkv, D)
-    G = Hkv if per_head else 1
+    G = {"shared": 1, "kv_head": Hkv, "query_head": Hq}[rows]
     N = 7
     table = torch.zeros(B, G, N, dtype=torch.int32)
     lengths = torch.zeros(B, G, dtype=torch.int32)
@@ -37,14 +37,13 @@ def test_decode_view_reference_matches_dense_oracle(page_size, per_head):
     q = torch.randn(B, Hq, D)
     out = decode_attention_ref(q, k_cache, v_cache, table, lengths, P, 0.25)
     for b in range(B):
-        keys, values = [], []
-        for h in range(Hkv):
-            g = h if per_head else 0
+        for h in range(Hq):   # each query head alone against the tokens its row names
+            kvh = h // (Hq // Hkv)
+            g = {"shared": 0, "kv_head": kvh, "query_head": h}[rows]
             L = lengths[b, g].item()
             slots = torch.tensor([table[b, g, t // P].item() * P + t % P for t in range(L)])
-            keys.append(k_cache[slots, h])
-            values.append(v_cache[slots, h])
-        torch.testing.assert_close(out[b].double(), dense_oracle(q[b], keys, values, 0.25), atol=1e-5, rtol=1e-5)
+            want = dense_oracle(q[b, h:h + 1], [k_cache[slots, kvh]], [v_cache[slots, kvh]], 0.25)
+            torch.testing.assert_close(out[b, h:h + 1].double(), want, atol=1e-5, rtol=1e-5)
 
 
 def test_per_head_view_with_equal_rows_equals_shared_view():

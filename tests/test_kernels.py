@@ -96,6 +96,15 @@ def test_decode_attention_triton_matches_reference(P, G_is_heads, dtype, poison,
 
 
 @interp
+@pytest.mark.parametrize("P", [1, 16])
+def test_decode_attention_triton_per_query_head_rows(P, poison, monkeypatch):
+    monkeypatch.setattr(da, "MIN_SPLIT_TOKENS", 16)
+    g = torch.Generator().manual_seed(P + 3)
+    args = decode_case(g, 3, 6, 2, 32, P, 6, {1: 70, 16: 5}[P], torch.float32, "cpu")   # G = H_q
+    close(da.decode_attention_triton(*args, P, 0.2), da.decode_attention_ref(*args, P, 0.2), torch.float32)
+
+
+@interp
 def test_decode_attention_handles_non_power_of_two_group_and_head_dim(poison):
     g = torch.Generator().manual_seed(7)
     args = decode_case(g, 2, 6, 2, 24, 16, 1, 3, torch.float32, "cpu")
@@ -178,11 +187,11 @@ def test_kernel_modules_import_and_dispatch_without_triton():
 
 @gpu
 @pytest.mark.parametrize("P", [1, 16, 64])
-@pytest.mark.parametrize("G_is_heads", [False, True])
-def test_gpu_decode_attention_matches_reference_bf16(P, G_is_heads):
-    g = torch.Generator().manual_seed(P + 100 * G_is_heads)
+@pytest.mark.parametrize("G", [1, 8, 32])
+def test_gpu_decode_attention_matches_reference_bf16(P, G):
+    g = torch.Generator().manual_seed(P + 100 * G)
     for B, N in [(1, 4096 // P), (5, 1000 // P + 1), (17, 300 // P + 1)]:
-        args = decode_case(g, B, 32, 8, 128, P, 8 if G_is_heads else 1, N, torch.bfloat16, "cuda")
+        args = decode_case(g, B, 32, 8, 128, P, G, N, torch.bfloat16, "cuda")
         close(da.decode_attention(*args, P, 128 ** -0.5),
               da.decode_attention_ref(*args, P, 128 ** -0.5), torch.bfloat16)
 

@@ -62,26 +62,27 @@ def graph_shaped(llm):
 
 # ---------------------------------------------------------------- the naive oracle
 
-def oracle_view(q, k_cache, table_row, ctx, P, n, shared):
+def oracle_view(q, k_cache, table_row, ctx, P, n, selection):
     """Quest's selection for one request, from the raw keys, in float64 Python loops.
-    Returns per page set (one, or one per KV head) the list of physical pages and the length."""
+    Returns per page set (one, one per KV head or one per query head) the physical pages and the length."""
     Hq, Hkv = q.shape[0], k_cache.shape[1]
     qg = Hq // Hkv
     num_pages = -(-ctx // P)
+    # Each page set: the query heads whose bounds it sums.
+    sets = {"shared": [list(range(Hq))], "kv_head": [list(range(h * qg, (h + 1) * qg)) for h in range(Hkv)],
+            "query_head": [[h] for h in range(Hq)]}[selection]
     if num_pages <= n:
-        return [(table_row[:num_pages], ctx)] * (1 if shared else Hkv)
-    groups = [list(range(Hkv))] if shared else [[h] for h in range(Hkv)]
+        return [(table_row[:num_pages], ctx)] * len(sets)
     out = []
-    for kv_heads in groups:
+    for q_heads in sets:
         scores = []
         for j in range(num_pages - 1):     # full pages only: the current page is forced
             keys = k_cache[table_row[j] * P:(table_row[j] + 1) * P].double()
             s = 0.0
-            for h in kv_heads:
-                hi, lo = keys[:, h].max(0).values, keys[:, h].min(0).values
-                for qh in range(h * qg, (h + 1) * qg):
-                    qd = q[qh].double()
-                    s += float(torch.maximum(qd * hi, qd * lo).sum())
+            for qh in q_heads:
+                hi, lo = keys[:, qh // qg].max(0).values, keys[:, qh // qg].min(0).values
+                qd = q[qh].double()
+                s += float(torch.maximum(qd * hi, qd * lo).sum())
             scores.append(s)
         top = sorted(range(num_pages - 1), key=lambda j: -scores[j])[:n - 1]
         chosen = sorted(top) + [num_pages - 1]
@@ -112,7 +113,7 @@ def check_decode_views(llm, log):
                              if i * P + t < length]
                 assert len(set(positions)) == len(positions) and max(positions) == ctx - 1
                 if layer_id >= cm.skip_layers:
-                    want = oracle_view(q[b], k_cache, row, ctx, P, n, cm.shared)[g]
+                    want = oracle_view(q[b], k_cache, row, ctx, P, n, cm.selection)[g]
                     assert (pages, length) == want, f"layer {layer_id} row {b} head set {g}"
                     log["sparse" if length < ctx else "dense"] += g == 0
         return view
@@ -161,11 +162,11 @@ def test_quest_equals_vanilla_when_budget_covers_context(tiny_model, graph_like)
     assert llm.engine.cache_manager.allocator.is_idle()
 
 
-@pytest.mark.parametrize("arch,shared", [("llama", False), ("qwen3", True)])
-def test_quest_selection_equals_oracle_and_is_causal(tiny_model, arch, shared):
+@pytest.mark.parametrize("arch,selection", [("llama", "kv_head"), ("qwen3", "shared"), ("qwen2", "query_head")])
+def test_quest_selection_equals_oracle_and_is_causal(tiny_model, arch, selection):
     path = tiny_model(arch)
     ps = prompts([90, 21, 57], seed=1)      # 23, 6 and 15 pages of 4: sparse and dense rows together
-    llm = quest(path, page_size=4, quest_token_budget=24, quest_skip_layers=1, quest_shared_selection=shared,
+    llm = quest(path, page_size=4, quest_token_budget=24, quest_skip_layers=1, quest_selection=selection,
                 chunk_prefill_size=40)
     log = {"sparse": 0, "dense": 0}
     check_decode_views(graph_shaped(llm), log)
@@ -222,7 +223,7 @@ def test_quest_knobs_are_validated():
     with pytest.raises(ValueError, match="quest_page_size=8 contradicts page_size=32"):
         make_config(None, "quest", quest_page_size=8, page_size=32)
     bad = [dict(quest_page_size=12), dict(quest_page_size=0), dict(quest_token_budget=8),
-           dict(quest_token_budget=1.5e3), dict(quest_skip_layers=-1), dict(quest_shared_selection="yes")]
+           dict(quest_token_budget=1.5e3), dict(quest_skip_layers=-1), dict(quest_selection="per_head")]
     for knobs in bad:
         with pytest.raises(ValueError, match=next(iter(knobs))):
             make_config(None, "quest", **knobs)
@@ -298,12 +299,13 @@ def test_page_minmax_triton_matches_reference(P, dtype):
 
 
 @interp
-@pytest.mark.parametrize("P,shared,dtype,head_major", [(16, False, torch.float32, True), (4, True, torch.float16, False),
-                                                       (1, False, torch.float16, True)])
-def test_quest_scores_triton_matches_reference(P, shared, dtype, head_major):
-    g = torch.Generator().manual_seed(P + shared)
+@pytest.mark.parametrize("P,selection,dtype,head_major", [
+    (16, "kv_head", torch.float32, True), (4, "shared", torch.float16, False),
+    (1, "query_head", torch.float16, True), (16, "query_head", torch.float32, False)])
+def test_quest_scores_triton_matches_reference(P, selection, dtype, head_major):
+    g = torch.Generator().manual_seed(P + len(selection))
     args = scores_case(g, 3, 6, 2, 24, P, {1: 70, 4: 40, 16: 9}[P], dtype, "cpu", head_major)   # 70 pages: 3 blocks
-    got, want = qk.quest_scores_triton(*args, P, shared), qk.quest_scores_ref(*args, P, shared)
+    got, want = qk.quest_scores_triton(*args, P, selection), qk.quest_scores_ref(*args, P, selection)
     assert torch.equal(got.isinf(), want.isinf())
     torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-4)
 
@@ -330,13 +332,13 @@ def test_select_pages_triton_matches_reference(B, G, N, P, n):
 # ---------------------------------------------------------------- GPU
 
 @gpu
-@pytest.mark.parametrize("shared", [False, True])
-def test_gpu_quest_kernels_match_references_bf16(shared):
-    g = torch.Generator().manual_seed(21 + shared)
+@pytest.mark.parametrize("selection", qk.SELECTIONS)
+def test_gpu_quest_kernels_match_references_bf16(selection):
+    g = torch.Generator().manual_seed(21 + len(selection))
     bf = torch.bfloat16
     for B, N in [(1, 4096), (5, 300), (33, 64)]:
         args = scores_case(g, B, 32, 8, 128, 16, N, bf, "cuda", head_major=B != 5)
-        got, want = qk.quest_scores(*args, 16, shared), qk.quest_scores_ref(*args, 16, shared)
+        got, want = qk.quest_scores(*args, 16, selection), qk.quest_scores_ref(*args, 16, selection)
         assert torch.equal(got.isinf(), want.isinf())
         torch.testing.assert_close(got, want, atol=1e-2, rtol=1e-3)
     for P in (1, 16, 64):
@@ -353,11 +355,11 @@ def test_gpu_quest_kernels_match_references_bf16(shared):
 
 
 @gpu
-@pytest.mark.parametrize("shared", [False, True])
-def test_gpu_quest_graph_replay_equals_eager(tiny_model, shared):
+@pytest.mark.parametrize("selection", qk.SELECTIONS)
+def test_gpu_quest_graph_replay_equals_eager(tiny_model, selection):
     path = tiny_model("llama")
     knobs = dict(vllm_sparse_method="quest", device="cuda", dtype="float32", max_num_seqs=8, page_size=4,
-                 quest_token_budget=24, quest_skip_layers=1, quest_shared_selection=shared)
+                 quest_token_budget=24, quest_skip_layers=1, quest_selection=selection)
     eager = LLM(path, enforce_eager=True, **knobs)
     graph = LLM(path, **knobs)
     assert graph.execution_mode == "cuda_graph"

@@ -2,7 +2,9 @@
 
 A decode view is (table[B, G, N] int32, lengths[B, G] int32, page_size): row (b, g) attends to the
 tokens of pages table[b, g, :ceil(len / P)], the last page possibly partial. G is 1 (one token set
-shared by every KV head) or H_kv (a set per KV head). Token-wise selection is the case P = 1.
+shared by every KV head), H_kv (a set per KV head) or H_q (a set per query head, as selection
+methods written for multi-head attention pick them; the group's query heads then read their KV
+head's pages separately). Token-wise selection is the case P = 1.
 
 The Triton path is split-K flash-decoding: one program per (request, KV head, split) holds every
 query head of the KV group as the rows of one tl.dot (padded to 16 rows so the tensor cores take
@@ -33,13 +35,19 @@ def decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     B, Hq, D = q.shape
     Hkv = k_cache.shape[1]
     G, N = table.shape[1], table.shape[2]
-    assert G in (1, Hkv), f"decode view G={G} must be 1 or num_kv_heads={Hkv}"
+    assert G in (1, Hkv, Hq), f"decode view G={G} must be 1, num_kv_heads={Hkv} or num_heads={Hq}"
     P = page_size
     T = N * P
     offs = torch.arange(T, device=q.device)
     # Slots of every candidate token; padded table entries point at page 0 and are masked below.
     slots = (table.long().unsqueeze(-1) * P + torch.arange(P, device=q.device)).reshape(B, G, T)
     valid = offs.view(1, 1, T) < lengths.long().unsqueeze(-1)              # [B, G, T]
+    if G == Hq and Hq != Hkv:   # a token set per query head: each row is a group of one
+        heads = (torch.arange(Hq, device=q.device) // (Hq // Hkv)).view(1, Hq, 1)
+        k, v = k_cache[slots, heads].float(), v_cache[slots, heads].float()   # [B, H_q, T, D]
+        scores = torch.einsum("bhd,bhtd->bht", q.float(), k) * scale
+        probs = torch.softmax(scores.masked_fill(~valid, float("-inf")), dim=-1)
+        return torch.einsum("bht,bhtd->bhd", probs, v).to(q.dtype)
     if G == 1:
         k = k_cache[slots[:, 0]].transpose(1, 2)                          # [B, H_kv, T, D]
         v = v_cache[slots[:, 0]].transpose(1, 2)
@@ -62,12 +70,13 @@ def _decode_split_kernel(
         stride_qb, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh,
         stride_tb, stride_tg, stride_lb, stride_lg,
         stride_ob, stride_oh, stride_os, stride_lseb, stride_lseh, NUM_SPLITS,
-        QG: tl.constexpr, P: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-        BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+        QG: tl.constexpr, KV_DIV: tl.constexpr, P: tl.constexpr, HEAD_DIM: tl.constexpr,
+        BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
         UPCAST: tl.constexpr, DOT_PREC: tl.constexpr):
     b = tl.program_id(0)
-    h = tl.program_id(1)
+    h = tl.program_id(1)        # the view row: a KV head (QG query heads), or a query head (QG = 1)
     split = tl.program_id(2)
+    kvh = h // KV_DIV
     # stride_tg / stride_lg are 0 when G == 1: every KV head reads the same token set.
     length = tl.load(len_ptr + b * stride_lb + h * stride_lg)
     per_split = tl.cdiv(tl.cdiv(length, NUM_SPLITS), BLOCK_N) * BLOCK_N
@@ -102,9 +111,9 @@ def _decode_split_kernel(
         # int64 before the stride multiply: slot * stride overflows int32 on large pools.
         slot = page.to(tl.int64) * P + toks % P
         kv_mask = tok_ok[:, None] & dim_ok[None, :]
-        k = tl.load(k_ptr + slot[:, None] * stride_ks + h * stride_kh + dims[None, :],
+        k = tl.load(k_ptr + slot[:, None] * stride_ks + kvh * stride_kh + dims[None, :],
                     mask=kv_mask, other=0.0)
-        v = tl.load(v_ptr + slot[:, None] * stride_vs + h * stride_vh + dims[None, :],
+        v = tl.load(v_ptr + slot[:, None] * stride_vs + kvh * stride_vh + dims[None, :],
                     mask=kv_mask, other=0.0)
         if UPCAST:
             k = k.to(tl.float32)
@@ -170,13 +179,15 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     B, Hq, D = q.shape
     Hkv = k_cache.shape[1]
     G, N = table.shape[1], table.shape[2]
-    assert G in (1, Hkv), f"decode view G={G} must be 1 or num_kv_heads={Hkv}"
+    assert G in (1, Hkv, Hq), f"decode view G={G} must be 1, num_kv_heads={Hkv} or num_heads={Hq}"
     assert Hq % Hkv == 0 and lengths.shape == (B, G)
     assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
     assert table.stride(-1) == 1
     P = int(page_size)
-    QG = Hq // Hkv
-    S = num_splits(B, Hkv, N, P, q.device)
+    per_query_head = G == Hq and Hq != Hkv
+    rows = Hq if per_query_head else Hkv       # programs per request and split
+    QG = 1 if per_query_head else Hq // Hkv    # query heads per program
+    S = num_splits(B, rows, N, P, q.device)
     mid_o = torch.empty(B, Hq, S, D, dtype=torch.float32, device=q.device)
     mid_lse = torch.empty(B, Hq, S, dtype=torch.float32, device=q.device)
     out = torch.empty_like(q)
@@ -184,13 +195,14 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     stride_tg = table.stride(1) if G > 1 else 0
     stride_lg = lengths.stride(1) if G > 1 else 0
     BLOCK_D = pow2(D)
-    _decode_split_kernel[(B, Hkv, S)](
+    _decode_split_kernel[(B, rows, S)](
         q, k_cache, v_cache, table, lengths, mid_o, mid_lse, scale * 1.4426950408889634,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         v_cache.stride(0), v_cache.stride(1),
         table.stride(0), stride_tg, lengths.stride(0), stride_lg,
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
-        S, QG=QG, P=P, HEAD_DIM=D, BLOCK_D=BLOCK_D, BLOCK_H=max(16, pow2(QG)), BLOCK_N=BLOCK_N,
+        S, QG=QG, KV_DIV=Hq // Hkv if per_query_head else 1, P=P, HEAD_DIM=D, BLOCK_D=BLOCK_D,
+        BLOCK_H=max(16, pow2(QG)), BLOCK_N=BLOCK_N,
         UPCAST=upcast, DOT_PREC=dot_precision(q.dtype),
         num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     _decode_merge_kernel[(B, Hq)](

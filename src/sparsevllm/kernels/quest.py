@@ -9,8 +9,9 @@ the update is graph-capturable. Recomputing from the pool rather than folding th
 the old min/max needs no "first token of the page" reset and costs at most P token reads.
 
 quest_scores: for every page of a request's block table, sum over the channels of
-max(q_c * max_c, q_c * min_c) (an upper bound on q . k for any key of the page), summed over the
-query heads of each KV group, or of all heads when one page set is shared by all KV heads. Pages
+max(q_c * max_c, q_c * min_c) (an upper bound on q . k for any key of the page), per page-set row:
+per query head ("query_head", the official per-head bound), summed over the query heads of each
+KV group ("kv_head"), or summed over all heads ("shared"). Pages
 at or after the current (last) page of the request score -inf: the current page is always
 attended and is not a candidate, and entries past the row's pages are padding. Programs whose
 pages all lie past the row's current page write -inf and exit, so the work follows the real
@@ -96,10 +97,14 @@ def page_minmax(k_cache, last_slots, kmin, kmax, page_size):
 
 # ---------------------------------------------------------------- page scores
 
+SELECTIONS = ("kv_head", "query_head", "shared")   # page-set rows: H_kv, H_q or 1
+
+
 def quest_scores_ref(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, block_tables: torch.Tensor,
-                     context_lens: torch.Tensor, page_size: int, shared: bool) -> torch.Tensor:
+                     context_lens: torch.Tensor, page_size: int, selection: str) -> torch.Tensor:
     """q: [B, H_q, D]; kmin, kmax: [num_pages, H_kv, D]; block_tables: [B, N]; context_lens: [B]
-    -> fp32 scores [B, G, N], G = 1 if shared else H_kv; -inf at and after each row's current page."""
+    -> fp32 scores [B, G, N], G = H_kv / H_q / 1 for selection kv_head / query_head / shared;
+    -inf at and after each row's current page."""
     B, Hq, D = q.shape
     Hkv = kmin.shape[1]
     N = block_tables.shape[1]
@@ -107,10 +112,13 @@ def quest_scores_ref(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, bl
     hi = kmax[pages].float().unsqueeze(3)                        # [B, N, H_kv, 1, D]
     lo = kmin[pages].float().unsqueeze(3)
     qg = q.float().view(B, 1, Hkv, Hq // Hkv, D)
-    bound = torch.maximum(qg * hi, qg * lo).sum((-1, -2))         # [B, N, H_kv]
-    scores = bound.transpose(1, 2)
-    if shared:
-        scores = scores.sum(1, keepdim=True)
+    bound = torch.maximum(qg * hi, qg * lo).sum(-1)                # [B, N, H_kv, group]
+    if selection == "query_head":
+        scores = bound.flatten(2).transpose(1, 2)                 # [B, H_q, N]
+    else:
+        scores = bound.sum(-1).transpose(1, 2)                    # [B, H_kv, N]
+        if selection == "shared":
+            scores = scores.sum(1, keepdim=True)
     current = (context_lens.long() - 1) // page_size
     candidate = torch.arange(N, device=q.device).view(1, 1, N) < current.view(B, 1, 1)
     return scores.masked_fill(~candidate, float("-inf")).contiguous()
@@ -120,16 +128,22 @@ def quest_scores_ref(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, bl
 def _quest_scores_kernel(q_ptr, kmin_ptr, kmax_ptr, table_ptr, len_ptr, out_ptr,
                          stride_qb, stride_qh, stride_ms, stride_mh, stride_xs, stride_xh,
                          stride_tb, stride_ob, stride_og, N,
-                         QG: tl.constexpr, KV_PER_ROW: tl.constexpr, P: tl.constexpr,
-                         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr):
+                         GROUP: tl.constexpr, KV_PER_PROG: tl.constexpr, PER_QUERY: tl.constexpr,
+                         P: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                         BLOCK_P: tl.constexpr):
+    # Program (b, r, blk) reads the metadata of KV heads r * KV_PER_PROG .. + KV_PER_PROG once
+    # and scores them with their GROUP query heads: summed into row r (kv_head: one head a
+    # program; shared: all heads, r = 0), or one row per query head (query_head).
     b = tl.program_id(0)
-    g = tl.program_id(1)
+    r = tl.program_id(1)
     blk = tl.program_id(2)
     current = (tl.load(len_ptr + b) - 1) // P
     offs = blk * BLOCK_P + tl.arange(0, BLOCK_P)
-    out_ptrs = out_ptr + b * stride_ob + g * stride_og + offs
+    out_row = out_ptr + b * stride_ob + offs
     if blk * BLOCK_P >= current:   # every page of this block is the current page or padding
-        tl.store(out_ptrs, tl.full([BLOCK_P], float("-inf"), tl.float32), mask=offs < N)
+        for j in range(GROUP if PER_QUERY else 1):
+            tl.store(out_row + (r * GROUP + j if PER_QUERY else r) * stride_og,
+                     tl.full([BLOCK_P], float("-inf"), tl.float32), mask=offs < N)
         return
     ok = offs < current
     dims = tl.arange(0, BLOCK_D)
@@ -137,44 +151,51 @@ def _quest_scores_kernel(q_ptr, kmin_ptr, kmax_ptr, table_ptr, len_ptr, out_ptr,
     page = tl.load(table_ptr + b * stride_tb + offs, mask=ok, other=0).to(tl.int64)
     tile_ok = ok[:, None] & dim_ok[None, :]
     acc = tl.zeros([BLOCK_P], tl.float32)
-    for kh in range(KV_PER_ROW):
-        h = (g * KV_PER_ROW + kh).to(tl.int64)
+    for kh in range(KV_PER_PROG):
+        h = (r * KV_PER_PROG + kh).to(tl.int64)
         hi = tl.load(kmax_ptr + page[:, None] * stride_xs + h * stride_xh + dims[None, :],
                      mask=tile_ok, other=0.0).to(tl.float32)
         lo = tl.load(kmin_ptr + page[:, None] * stride_ms + h * stride_mh + dims[None, :],
                      mask=tile_ok, other=0.0).to(tl.float32)
-        for j in range(QG):
-            qv = tl.load(q_ptr + b * stride_qb + (h * QG + j) * stride_qh + dims,
+        for j in range(GROUP):
+            qv = tl.load(q_ptr + b * stride_qb + (h * GROUP + j) * stride_qh + dims,
                          mask=dim_ok, other=0.0).to(tl.float32)
-            acc += tl.sum(tl.maximum(qv[None, :] * hi, qv[None, :] * lo), 1)
-    tl.store(out_ptrs, tl.where(ok, acc, float("-inf")), mask=offs < N)
+            bound = tl.sum(tl.maximum(qv[None, :] * hi, qv[None, :] * lo), 1)
+            if PER_QUERY:
+                tl.store(out_row + (h * GROUP + j) * stride_og, tl.where(ok, bound, float("-inf")),
+                         mask=offs < N)
+            else:
+                acc += bound
+    if not PER_QUERY:
+        tl.store(out_row + r * stride_og, tl.where(ok, acc, float("-inf")), mask=offs < N)
 
 
 def quest_scores_triton(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, block_tables: torch.Tensor,
-                        context_lens: torch.Tensor, page_size: int, shared: bool) -> torch.Tensor:
-    """Same contract as quest_scores_ref; one program per (request, page set, block of pages)."""
+                        context_lens: torch.Tensor, page_size: int, selection: str) -> torch.Tensor:
+    """Same contract as quest_scores_ref; one program per (request, KV head or all, block of pages)."""
     B, Hq, D = q.shape
     Hkv = kmin.shape[1]
     N = block_tables.shape[1]
     assert Hq % Hkv == 0 and kmin.shape == kmax.shape and kmin.shape[2] == D
     assert q.stride(-1) == 1 and kmin.stride(-1) == 1 and kmax.stride(-1) == 1
     assert block_tables.stride(-1) == 1 and context_lens.shape == (B,) and context_lens.stride(0) == 1
-    G = 1 if shared else Hkv
+    G = {"kv_head": Hkv, "query_head": Hq, "shared": 1}[selection]
+    shared = selection == "shared"
     out = torch.empty(B, G, N, dtype=torch.float32, device=q.device)
-    grid = (B, G, -(-N // BLOCK_PAGES))
+    grid = (B, 1 if shared else Hkv, -(-N // BLOCK_PAGES))
     _quest_scores_kernel[grid](
         q, kmin, kmax, block_tables, context_lens, out,
         q.stride(0), q.stride(1), kmin.stride(0), kmin.stride(1), kmax.stride(0), kmax.stride(1),
         block_tables.stride(0), out.stride(0), out.stride(1), N,
-        QG=Hq // Hkv, KV_PER_ROW=Hkv // G, P=int(page_size), HEAD_DIM=D, BLOCK_D=pow2(D),
-        BLOCK_P=BLOCK_PAGES, num_warps=4)
+        GROUP=Hq // Hkv, KV_PER_PROG=Hkv if shared else 1, PER_QUERY=selection == "query_head",
+        P=int(page_size), HEAD_DIM=D, BLOCK_D=pow2(D), BLOCK_P=BLOCK_PAGES, num_warps=4)
     return out
 
 
-def quest_scores(q, kmin, kmax, block_tables, context_lens, page_size, shared):
+def quest_scores(q, kmin, kmax, block_tables, context_lens, page_size, selection):
     if use_triton(q):
-        return quest_scores_triton(q, kmin, kmax, block_tables, context_lens, page_size, shared)
-    return quest_scores_ref(q, kmin, kmax, block_tables, context_lens, page_size, shared)
+        return quest_scores_triton(q, kmin, kmax, block_tables, context_lens, page_size, selection)
+    return quest_scores_ref(q, kmin, kmax, block_tables, context_lens, page_size, selection)
 
 
 # ---------------------------------------------------------------- page selection

@@ -30,7 +30,8 @@ class Capabilities:
 @dataclass
 class DecodeView:
     """What one decode attention reads: row (b, g) covers pages table[b, g, :ceil(len / P)] of
-    k_cache / v_cache. G = 1 (shared by all KV heads) or H_kv (one set per KV head)."""
+    k_cache / v_cache. G = 1 (shared by all KV heads), H_kv (one set per KV head) or H_q (one set
+    per query head: a GQA group's query heads then read their KV head's pages separately)."""
     k_cache: torch.Tensor
     v_cache: torch.Tensor
     table: torch.Tensor      # [B, G, N] int32

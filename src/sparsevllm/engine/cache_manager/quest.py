@@ -12,10 +12,15 @@ their attention is not sparse enough for the bound to pick well). Nothing is evi
 bandwidth, not memory (the metadata costs 2 / (2 P) = 1/P of the raw KV).
 
 Where we differ from the official code, and why:
-- GQA: the official kernels select a page set per query head. We select one set per KV head with
-  the bound summed over the query heads of its group (a DecodeView with G = H_kv), so the decode
-  kernel reads each selected KV page once for the whole group. `quest_shared_selection=True`
-  sums over all heads instead and shares one page set (G = 1).
+- GQA: the official kernels (written for multi-head models) select a page set per query head.
+  `quest_selection` picks the rows: "kv_head" (default, as METHODS.md fixes it) selects one set
+  per KV head with the bound summed over the query heads of its group (a DecodeView with
+  G = H_kv), so the decode kernel reads each selected page once for the whole group; "query_head"
+  is the official per-head selection (G = H_q: each query head reads its own pages, a group reads
+  up to group-size times the budget); "shared" sums over all heads and shares one set (G = 1).
+  Summing over a group lets heads with large logits outvote a retrieval head: on SmolLM2 (3 query
+  heads per KV head) a needle page that one head gives 91% of its attention ranked 23rd by its
+  group's summed bound (see regression/README.md for the accuracy each choice gets).
 - The page size is the engine's KV page size (one knob, 16 by default as in the paper), so the
   metadata is indexed by physical page: pages shared through the prefix cache share their
   metadata, which is exact because their content is identical.
@@ -29,7 +34,7 @@ import torch
 from sparsevllm.config import EngineConfig, MethodConfig
 from sparsevllm.engine.cache_manager.base import CacheManager, DecodeView, StepState
 from sparsevllm.engine.sequence import Sequence
-from sparsevllm.kernels.quest import page_minmax, quest_scores, select_pages
+from sparsevllm.kernels.quest import SELECTIONS, page_minmax, quest_scores, select_pages
 from sparsevllm.method_registry import register_method
 
 
@@ -38,7 +43,7 @@ class QuestConfig(MethodConfig):
     quest_token_budget: int = 2048          # tokens attended per decode step, current page included
     quest_page_size: int | None = None      # None: the engine's page_size
     quest_skip_layers: int = 2              # the first layers stay dense
-    quest_shared_selection: bool = False    # one page set for all KV heads (bound summed over all heads)
+    quest_selection: str = "kv_head"        # page-set rows: kv_head | query_head (official) | shared
 
     def validate(self, engine: EngineConfig) -> None:
         p = self.quest_page_size
@@ -60,9 +65,9 @@ class QuestConfig(MethodConfig):
         s = self.quest_skip_layers
         if not isinstance(s, int) or isinstance(s, bool) or s < 0:
             raise ValueError(f"quest_skip_layers={s!r} is invalid; valid: an integer >= 0")
-        shared = self.quest_shared_selection
-        if not isinstance(shared, bool):
-            raise ValueError(f"quest_shared_selection={shared!r} is invalid; valid: True | False")
+        if self.quest_selection not in SELECTIONS:
+            raise ValueError(f"quest_selection={self.quest_selection!r} is invalid; valid: "
+                             + " | ".join(SELECTIONS))
 
 
 @register_method("quest")
@@ -75,7 +80,7 @@ class QuestCacheManager(CacheManager):
         mc = self.method_config
         self.skip_layers = min(mc.quest_skip_layers, num_layers)
         self.budget_pages = max(3, mc.quest_token_budget // self.page_size)
-        self.shared = mc.quest_shared_selection
+        self.selection = mc.quest_selection
         # Indexed [layer, physical page, KV head, channel]; min/max of stored values are exact in
         # the model dtype. Stored head-major: one head's metadata of consecutive pages (a long
         # request's pages are mostly consecutive) is one contiguous run, which the scoring kernel
@@ -126,7 +131,7 @@ class QuestCacheManager(CacheManager):
             return super().build_decode_view(layer_id, q, step)
         i = layer_id - self.skip_layers
         scores = quest_scores(q, self.kmin[i], self.kmax[i], step.block_tables, step.context_lens,
-                              self.page_size, self.shared)
+                              self.page_size, self.selection)
         table, lengths = select_pages(scores, step.block_tables, step.context_lens, self.page_size,
                                       self.budget_pages)
         k_cache, v_cache = self.pool.layer(layer_id)
