@@ -9,6 +9,7 @@ the mean KL(vanilla || method) is reported beside it.
 import json
 import logging
 import os
+import platform
 from dataclasses import asdict
 
 logger = logging.getLogger(__name__)
@@ -26,6 +27,9 @@ def protocol(config, chat_template: bool) -> dict:
                     "a prefix of CPython's pydoc_data text; score = top-1 agreement with vanilla, "
                     "kl = mean KL(vanilla || method) in nats",
         "same_prompts_for_every_method": True,
+        # The prose filler and the fidelity text come from this Python's pydoc_data, whose text
+        # changes between CPython versions: prompts with prose are comparable within one version.
+        "filler_text": f"CPython {platform.python_version()} pydoc_data (prose tasks, fidelity)",
         "seed": config.seed,
         "tolerance_points": config.tolerance,
     }
@@ -101,7 +105,7 @@ def markdown(summary: dict) -> str:
         first = next(c for c in cells if c["task"] == task)
         what = ("top-1 agreement with vanilla % / mean KL nats" if task == "fidelity"
                 else f"accuracy % ({first['metric']})")
-        lines += ["", f"## {task}", "", f"{what}; (-x) = drop against vanilla in points", "",
+        lines += ["", f"## {task}", "", f"{what}; (-x) / (+x) = points below / above vanilla", "",
                   "| variant | " + " | ".join(str(n) for n in lengths) + " |",
                   "|---|" + "---|" * len(lengths)]
         for label in labels:
@@ -115,7 +119,8 @@ def markdown(summary: dict) -> str:
                 if task == "fidelity":
                     text += f" / {_fmt(c['kl'], '.4f')}"
                 if c["method"] != "vanilla" or c["label"] != c["reference"]:
-                    text += f" (-{_fmt(c['drop'])})" if c["drop"] is not None else ""
+                    if c["drop"] is not None:   # a negative drop is a gain: (+x)
+                        text += f" ({'-' if c['drop'] >= 0 else '+'}{_fmt(abs(c['drop']))})"
                 text += " ok" if c["pass"] else " FAIL"
                 if c["errors"] or c["missing"]:
                     text += f" [{c['errors']} errors, {c['missing']} missing]"
