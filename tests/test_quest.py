@@ -278,7 +278,7 @@ def scores_case(g, B, Hq, Hkv, D, P, N, dtype, device, head_major=False):
     num_pages = B * N + 3
     kmin = torch.randn(num_pages, Hkv, D, generator=g)
     kmax = kmin + torch.rand(num_pages, Hkv, D, generator=g)
-    if head_major:   # the cache manager's layout: [H_kv, pages, D] storage seen as [pages, H_kv, D]
+    if head_major:   # strided metadata: [H_kv, pages, D] storage seen as [pages, H_kv, D]
         kmin, kmax = (x.transpose(0, 1).contiguous().transpose(0, 1) for x in (kmin, kmax))
     q = torch.randn(B, Hq, D, generator=g)
     bt = torch.randperm(num_pages, generator=g)[:B * N].view(B, N).int()

@@ -82,12 +82,11 @@ class QuestCacheManager(CacheManager):
         self.budget_pages = max(3, mc.quest_token_budget // self.page_size)
         self.selection = mc.quest_selection
         # Indexed [layer, physical page, KV head, channel]; min/max of stored values are exact in
-        # the model dtype. Stored head-major: one head's metadata of consecutive pages (a long
-        # request's pages are mostly consecutive) is one contiguous run, which the scoring kernel
-        # reads at a higher rate than a 256-byte piece per page.
-        shape = (num_layers - self.skip_layers, num_kv_heads, num_pages, head_dim)
-        self.kmin = torch.zeros(shape, dtype=dtype, device=device).transpose(1, 2)
-        self.kmax = torch.zeros(shape, dtype=dtype, device=device).transpose(1, 2)
+        # the model dtype. (A head-major layout, for longer contiguous reads when scoring, was
+        # measured on the H200 at 128K x 4: no change, 1.44 ms a step either way.)
+        shape = (num_layers - self.skip_layers, num_pages, num_kv_heads, head_dim)
+        self.kmin = torch.zeros(shape, dtype=dtype, device=device)
+        self.kmax = torch.zeros(shape, dtype=dtype, device=device)
 
     @classmethod
     def bytes_per_page(cls, config: EngineConfig, num_layers, num_kv_heads, head_dim, dtype) -> int:
