@@ -8,8 +8,9 @@ head's pages separately). Token-wise selection is the case P = 1.
 
 The Triton path is split-K flash-decoding: one program per (request, KV head, split) holds every
 query head of the KV group as the rows of one tl.dot (padded to 16 rows so the tensor cores take
-it), walks its share of the row's tokens with an online softmax and writes a partial output and
-its log-sum-exp; a second small kernel merges the splits. The split count depends only on static
+it; with G = H_q a program holds one query head), walks its share of the row's tokens with an
+online softmax and writes a partial output and its log-sum-exp; a second small kernel merges the
+splits. The split count depends only on static
 shapes (B, H_kv, N, P), never on the lengths, so a CUDA graph captured per batch bucket replays
 correctly for any lengths: each row divides its own length over the splits in-kernel, and splits
 left empty write lse = -inf which the merge ignores.
