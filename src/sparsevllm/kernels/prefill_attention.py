@@ -56,9 +56,11 @@ def prefill_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
             v = v.repeat_interleave(Hq // Hkv, dim=0)
         qpos = torch.arange(L - n, L, device=q.device)
         mask = pos.view(1, L) <= qpos.view(n, 1)                    # [n, L]
-        o = F.scaled_dot_product_attention(q[s:e].transpose(0, 1), k.to(q.dtype), v.to(q.dtype),
+        # 4-D inputs: with 3-D ones torch's CPU SDPA takes its math path (an L x L matrix per
+        # head, 3-6x slower) instead of the flash kernel.
+        o = F.scaled_dot_product_attention(q[s:e].transpose(0, 1)[None], k.to(q.dtype)[None], v.to(q.dtype)[None],
                                            attn_mask=mask, scale=scale)
-        out[s:e] = o.transpose(0, 1)
+        out[s:e] = o[0].transpose(0, 1)
     return out
 
 
@@ -73,8 +75,9 @@ def varlen_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         if Hkv != Hq:
             kk = kk.repeat_interleave(Hq // Hkv, dim=0)
             vv = vv.repeat_interleave(Hq // Hkv, dim=0)
-        o = F.scaled_dot_product_attention(q[s:e].transpose(0, 1), kk, vv, is_causal=True, scale=scale)
-        out[s:e] = o.transpose(0, 1)
+        o = F.scaled_dot_product_attention(q[s:e].transpose(0, 1)[None], kk[None], vv[None], is_causal=True,
+                                           scale=scale)    # 4-D: see prefill_attention_ref
+        out[s:e] = o[0].transpose(0, 1)
     return out
 
 
