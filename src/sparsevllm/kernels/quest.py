@@ -9,7 +9,8 @@ the update is graph-capturable. Recomputing from the pool rather than folding th
 the old min/max needs no "first token of the page" reset and costs at most P token reads.
 
 quest_scores: for every page of a request's block table, sum over the channels of
-max(q_c * max_c, q_c * min_c) (an upper bound on q . k for any key of the page), per page-set row:
+max(q_c * max_c, q_c * min_c) (an upper bound on q . k for any key of the page), computed as
+relu(q) . max + min(q, 0) . min (the same number, as max_c >= min_c), per page-set row:
 per query head ("query_head", the official per-head bound), summed over the query heads of each
 KV group ("kv_head"), or summed over all heads ("shared"). Pages
 at or after the current (last) page of the request score -inf: the current page is always
@@ -29,6 +30,7 @@ import torch
 from sparsevllm.kernels.common import jit, pow2, tl, use_triton
 
 BLOCK_PAGES = 32   # pages per scoring program: a [32, 128] fp32 tile per min/max fits in registers
+SCORE_WARPS = 4
 
 
 # ---------------------------------------------------------------- page min/max
@@ -109,14 +111,16 @@ def quest_scores_ref(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, bl
     Hkv = kmin.shape[1]
     N = block_tables.shape[1]
     pages = block_tables.long()
-    hi = kmax[pages].float().unsqueeze(3)                        # [B, N, H_kv, 1, D]
-    lo = kmin[pages].float().unsqueeze(3)
-    qg = q.float().view(B, 1, Hkv, Hq // Hkv, D)
-    bound = torch.maximum(qg * hi, qg * lo).sum(-1)                # [B, N, H_kv, group]
+    hi = kmax[pages].float()                                       # [B, N, H_kv, D]
+    lo = kmin[pages].float()
+    qg = q.float().view(B, Hkv, Hq // Hkv, D)
     if selection == "query_head":
+        pos, neg = qg.clamp(min=0), qg.clamp(max=0)                # [B, H_kv, group, D]
+        bound = (torch.einsum("bnhd,bhgd->bnhg", hi, pos) + torch.einsum("bnhd,bhgd->bnhg", lo, neg))
         scores = bound.flatten(2).transpose(1, 2)                 # [B, H_q, N]
-    else:
-        scores = bound.sum(-1).transpose(1, 2)                    # [B, H_kv, N]
+    else:   # summing over a group's heads commutes with the split: sum relu(q) and min(q, 0) first
+        pos, neg = qg.clamp(min=0).sum(2), qg.clamp(max=0).sum(2)  # [B, H_kv, D]
+        scores = (hi * pos.unsqueeze(1) + lo * neg.unsqueeze(1)).sum(-1).transpose(1, 2)   # [B, H_kv, N]
         if selection == "shared":
             scores = scores.sum(1, keepdim=True)
     current = (context_lens.long() - 1) // page_size
@@ -157,15 +161,22 @@ def _quest_scores_kernel(q_ptr, kmin_ptr, kmax_ptr, table_ptr, len_ptr, out_ptr,
                      mask=tile_ok, other=0.0).to(tl.float32)
         lo = tl.load(kmin_ptr + page[:, None] * stride_ms + h * stride_mh + dims[None, :],
                      mask=tile_ok, other=0.0).to(tl.float32)
+        # max(q hi, q lo) = relu(q) hi + min(q, 0) lo as hi >= lo; a group's sum of these is one
+        # pair of dot products with the group's summed relu(q) and min(q, 0).
+        pos = tl.zeros([BLOCK_D], tl.float32)
+        neg = tl.zeros([BLOCK_D], tl.float32)
         for j in range(GROUP):
             qv = tl.load(q_ptr + b * stride_qb + (h * GROUP + j) * stride_qh + dims,
                          mask=dim_ok, other=0.0).to(tl.float32)
-            bound = tl.sum(tl.maximum(qv[None, :] * hi, qv[None, :] * lo), 1)
             if PER_QUERY:
+                bound = tl.sum(hi * tl.maximum(qv, 0.0)[None, :] + lo * tl.minimum(qv, 0.0)[None, :], 1)
                 tl.store(out_row + (h * GROUP + j) * stride_og, tl.where(ok, bound, float("-inf")),
                          mask=offs < N)
             else:
-                acc += bound
+                pos += tl.maximum(qv, 0.0)
+                neg += tl.minimum(qv, 0.0)
+        if not PER_QUERY:
+            acc += tl.sum(hi * pos[None, :] + lo * neg[None, :], 1)
     if not PER_QUERY:
         tl.store(out_row + r * stride_og, tl.where(ok, acc, float("-inf")), mask=offs < N)
 
@@ -188,7 +199,7 @@ def quest_scores_triton(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
         q.stride(0), q.stride(1), kmin.stride(0), kmin.stride(1), kmax.stride(0), kmax.stride(1),
         block_tables.stride(0), out.stride(0), out.stride(1), N,
         GROUP=Hq // Hkv, KV_PER_PROG=Hkv if shared else 1, PER_QUERY=selection == "query_head",
-        P=int(page_size), HEAD_DIM=D, BLOCK_D=pow2(D), BLOCK_P=BLOCK_PAGES, num_warps=4)
+        P=int(page_size), HEAD_DIM=D, BLOCK_D=pow2(D), BLOCK_P=BLOCK_PAGES, num_warps=SCORE_WARPS)
     return out
 
 
