@@ -30,7 +30,7 @@ import torch
 from sparsevllm.kernels.common import jit, pow2, tl, use_triton
 
 BLOCK_PAGES = 32   # pages per scoring program: a [32, 128] fp32 tile per min/max fits in registers
-SCORE_WARPS = 4
+SCORE_WARPS = 4    # H200, 4 x 8K pages x 8 heads: 33-35 us for 16-64 pages and 2-8 warps alike
 
 
 # ---------------------------------------------------------------- page min/max
