@@ -4,7 +4,7 @@ import json
 import pytest
 
 from sparsevllm import LLM, SamplingParams, available_methods
-from sparsevllm.config import make_config
+from sparsevllm.method_registry import make_config
 
 
 def test_unknown_method_lists_registered_ones():

@@ -127,8 +127,8 @@ def test_roofline_matches_the_llama_8b_figures_in_benchmarks_md():
         cfg = json.load(f)
     assert bench_roofline.weight_bytes(cfg, 2) / 1e9 == pytest.approx(15.0, rel=0.01)
     assert bench_roofline.kv_bytes_per_token(cfg, 2) == 128 * 1024
-    one = bench_roofline.roofline(cfg, 2, "vanilla", {}, batch=1, length=4096, output_len=256, hbm_bw=4.2e12)
-    four = bench_roofline.roofline(cfg, 2, "vanilla", {}, batch=4, length=128 * 1024, output_len=256, hbm_bw=4.2e12)
+    one = bench_roofline.roofline(cfg, 2, None, batch=1, length=4096, output_len=256, hbm_bw=4.2e12)
+    four = bench_roofline.roofline(cfg, 2, None, batch=4, length=128 * 1024, output_len=256, hbm_bw=4.2e12)
     assert one["roofline_tok_s"] == pytest.approx(270, rel=0.03)
     assert four["roofline_tok_s"] == pytest.approx(200, rel=0.03)
 
@@ -136,16 +136,21 @@ def test_roofline_matches_the_llama_8b_figures_in_benchmarks_md():
 def test_sparse_rooflines_match_the_speedups_benchmarks_md_allows():
     """BENCHMARKS.md: at 128K / batch 4 the roofline allows ~3.4x for Quest (budget 2048) and ~5x for
     SnapKV (capacity 2048) over vanilla."""
-    with open(os.path.join(ROOT, "src", "sparsevllm", "presets", "llama-3.1-8b.json")) as f:
-        cfg = json.load(f)
-    knobs = {"page_size": 16, "quest_token_budget": 2048, "quest_skip_layers": 2, "snapkv_capacity": 2048}
+    parser = bench_sparse_vllm.build_parser()
+    plan = bench_sparse_vllm.validate(parser.parse_args(
+        ["--model_path", "llama-3.1-8b", "--methods", "vanilla,quest,snapkv", "--lengths", "4096",
+         "--hyper_params", '{"quest_token_budget": 2048, "snapkv_capacity": 2048}']))
+    cfg = plan["model_config"]
 
     def tok_s(method):
-        return bench_roofline.roofline(cfg, 2, method, knobs, batch=4, length=128 * 1024, output_len=256)[
-            "roofline_tok_s"]
+        read = bench_sparse_vllm.kv_read_model(plan, method)
+        return bench_roofline.roofline(cfg, 2, read, batch=4, length=128 * 1024, output_len=256)["roofline_tok_s"]
     assert tok_s("quest") / tok_s("vanilla") == pytest.approx(3.4, rel=0.05)
     assert tok_s("snapkv") / tok_s("vanilla") == pytest.approx(5.0, rel=0.1)
-    assert bench_roofline.kv_tokens_stored("snapkv", knobs, 1000, 10) is None  # no fit check without an entry
+    assert tok_s("vanilla") == bench_roofline.roofline(cfg, 2, None, batch=4, length=128 * 1024,
+                                                       output_len=256)["roofline_tok_s"]
+    assert bench_sparse_vllm.kv_tokens_held(plan, "snapkv", 1000, 10) is None  # eviction: no fit check
+    assert bench_sparse_vllm.kv_tokens_held(plan, "quest", 1000, 10) == 1010
 
 
 def test_synthetic_prompts_have_exact_length_and_no_special_ids():
@@ -204,9 +209,10 @@ def test_method_knobs_go_only_to_their_own_method(monkeypatch):
         fakesparse_budget: int = 64
 
     class FakeSparse(CacheManager):
+        method_name = "fakesparse"
         config_cls = FakeConfig
 
-    monkeypatch.setitem(method_registry._METHODS, "fakesparse", FakeSparse)
+    monkeypatch.setitem(method_registry.METHODS, "fakesparse", FakeSparse)
     parser = bench_sparse_vllm.build_parser()
     common = ["--model_path", "tiny", "--lengths", "64", "--output_len", "8"]
     args = parser.parse_args(common + ["--methods", "fakesparse,vanilla",

@@ -18,7 +18,7 @@ import pytest  # noqa: E402
 pytest.importorskip("triton")
 
 from sparsevllm.kernels import decode_attention as da  # noqa: E402
-from sparsevllm.kernels import kv_store, prefill_attention as pa, rmsnorm, rotary, silu_mul  # noqa: E402
+from sparsevllm.kernels import prefill_attention as pa, rmsnorm, rope_store as rs, silu_mul  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 interp = pytest.mark.skipif(CUDA, reason="interpreter tests run on CPU-only machines")
@@ -121,19 +121,54 @@ def test_prefill_attention_triton_matches_reference(P, dtype, poison):
     close(out, pa.prefill_attention_ref(*args, P, 0.25), dtype)
 
 
+def rope_store_case(g, T, Hq, Hk, D, S, dtype, device="cpu"):
+    q, k, v = (torch.randn(T, h, D, generator=g).to(dtype).to(device) for h in (Hq, Hk, Hk))
+    cache = torch.randn(50, D, generator=g).to(device)
+    pos = torch.randint(0, 50, (T,), generator=g).to(device)
+    kc, vc = (torch.randn(S, Hk, D, generator=g).to(dtype).to(device) for _ in range(2))
+    return q, k, v, pos, cache, kc, vc
+
+
 @interp
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_store_kv_triton_writes_mapped_slots_and_skips_padding(dtype):
+def test_rope_store_triton_rotates_writes_mapped_slots_and_skips_padding(dtype, poison):
     g = torch.Generator().manual_seed(3)
-    T, H, D, S = 9, 3, 24, 40
-    k, v = torch.randn(T, H, D, generator=g).to(dtype), torch.randn(T, H, D, generator=g).to(dtype)
-    slots = torch.randperm(S, generator=g)[:T]
+    q, k, v, pos, cache, kc, vc = rope_store_case(g, 9, 6, 3, 32, 40, dtype)
+    slots = torch.randperm(40, generator=g)[:9]
     slots[[2, 5]] = -1
-    kc, vc = torch.randn(S, H, D, generator=g).to(dtype), torch.randn(S, H, D, generator=g).to(dtype)
     kc_ref, vc_ref = kc.clone(), vc.clone()
-    kv_store.store_kv_triton(k, v, kc, vc, slots)
-    kv_store.store_kv_ref(k, v, kc_ref, vc_ref, slots)
-    assert torch.equal(kc, kc_ref) and torch.equal(vc, vc_ref)
+    got = rs.rope_store_triton(q, k, v, pos, cache, kc, vc, slots)
+    want = rs.rope_store_ref(q, k, v, pos, cache, kc_ref, vc_ref, slots)
+    for a, b in zip(got, want):
+        close(a, b, dtype)
+    close(kc, kc_ref, dtype)
+    assert torch.equal(vc, vc_ref)
+    assert torch.equal(kc[slots[slots >= 0]], got[1][slots >= 0])   # the cache holds k after RoPE
+
+
+@interp
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_rope_store_page_bounds_equal_the_min_max_of_each_page(dtype):
+    """Decode-like writes (one token per page per step, pages filled in order) keep each page's
+    channel-wise min/max of its stored keys exactly, the first slot resetting stale bounds."""
+    g = torch.Generator().manual_seed(8)
+    P, pages, Hk, D = 4, 3, 2, 16
+    S = P * pages
+    kc, vc = torch.zeros(S, Hk, D, dtype=dtype), torch.zeros(S, Hk, D, dtype=dtype)
+    kmin = torch.randn(pages, Hk, D, generator=g).to(dtype)   # stale values from an earlier owner
+    kmax = kmin.clone()
+    kc_r, vc_r, kmin_r, kmax_r = kc.clone(), vc.clone(), kmin.clone(), kmax.clone()
+    cache = torch.randn(50, D, generator=g)
+    for off in range(P):              # step `off` writes slot off of every page (padding row: -1)
+        slots = torch.tensor([p * P + off for p in range(pages)] + [-1])
+        q, k, v = (torch.randn(pages + 1, h, D, generator=g).to(dtype) for h in (2 * Hk, Hk, Hk))
+        pos = torch.randint(0, 50, (pages + 1,), generator=g)
+        rs.rope_store_triton(q, k, v, pos, cache, kc, vc, slots, kmin, kmax, P)
+        rs.rope_store_ref(q, k, v, pos, cache, kc_r, vc_r, slots, kmin_r, kmax_r, P)
+        stored = kc_r.view(pages, P, Hk, D)[:, :off + 1]
+        assert torch.equal(kmin_r, stored.amin(1)) and torch.equal(kmax_r, stored.amax(1))
+        close(kmin, kmin_r, dtype)
+        close(kmax, kmax_r, dtype)
 
 
 @interp
@@ -151,18 +186,6 @@ def test_rms_norm_triton_matches_reference(dtype, with_residual, poison):
 
 @interp
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_apply_rope_triton_matches_reference(dtype, poison):
-    g = torch.Generator().manual_seed(5)
-    T, Hq, Hk, D = 7, 6, 2, 32
-    q, k = torch.randn(T, Hq, D, generator=g).to(dtype), torch.randn(T, Hk, D, generator=g).to(dtype)
-    cache = torch.randn(50, D, generator=g)
-    pos = torch.randint(0, 50, (T,), generator=g)
-    for a, b in zip(rotary.apply_rope_triton(q, k, pos, cache), rotary.apply_rope_ref(q, k, pos, cache)):
-        close(a, b, dtype)
-
-
-@interp
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_silu_and_mul_triton_matches_reference(dtype, poison):
     g = torch.Generator().manual_seed(6)
     x = torch.randn(3, 2 * 1500, generator=g).to(dtype)    # I spans two blocks, the last partial
@@ -173,8 +196,7 @@ def test_kernel_modules_import_and_dispatch_without_triton():
     code = (
         "import sys; sys.modules['triton'] = None\n"
         "import torch\n"
-        "from sparsevllm.kernels import decode_attention, kv_store, prefill_attention, rmsnorm,"
-        " rotary, silu_mul\n"
+        "from sparsevllm.kernels import decode_attention, prefill_attention, rmsnorm, rope_store, silu_mul\n"
         "x = torch.randn(2, 8)\n"
         "assert torch.equal(silu_mul.silu_and_mul(x), silu_mul.silu_and_mul_ref(x))\n"
         "assert torch.equal(rmsnorm.rms_norm(x, torch.ones(8), 1e-6), rmsnorm.rms_norm_ref(x, torch.ones(8), 1e-6))\n")
@@ -245,9 +267,11 @@ def test_gpu_varlen_attention_without_prefix_matches_reference_bf16():
     k = torch.randn(T, 8, 128, generator=g).cuda().bfloat16()
     v = torch.randn(T, 8, 128, generator=g).cuda().bfloat16()
     cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
-    out = pa.prefill_attention(q, k, v, None, None, None, cu, None, max(lens), False, 16, 0.1)
-    assert not pa._varlen_broken, f"a FlashAttention backend failed: {pa._varlen_broken}"
-    close(out, pa.varlen_attention_ref(q, k, v, cu, max(lens), 0.1), torch.bfloat16)
+    want = pa.varlen_attention_ref(q, k, v, cu, max(lens), 0.1)
+    for seq_lens in (lens, None):   # SDPA per sequence, and varlen_attn without host lengths
+        out = pa.prefill_attention(q, k, v, None, None, None, cu, None, max(lens), False, 16, 0.1, seq_lens)
+        assert not pa._varlen_broken, f"a FlashAttention backend failed: {pa._varlen_broken}"
+        close(out, want, torch.bfloat16)
 
 
 @gpu
@@ -260,20 +284,22 @@ def test_gpu_fused_ops_match_reference_bf16():
         for a, b in zip(rmsnorm.rms_norm(x, w, 1e-5, res), rmsnorm.rms_norm_ref(x, w, 1e-5, res)):
             close(a, b, bf)
         close(rmsnorm.rms_norm(x, w, 1e-5), rmsnorm.rms_norm_ref(x, w, 1e-5), bf)
-        q, k = torch.randn(T, 32, 128, generator=g).cuda().to(bf), torch.randn(T, 8, 128, generator=g).cuda().to(bf)
-        cache, pos = torch.randn(8192, 128, generator=g).cuda(), torch.randint(0, 8192, (T,), generator=g).cuda()
-        for a, b in zip(rotary.apply_rope(q, k, pos, cache), rotary.apply_rope_ref(q, k, pos, cache)):
-            close(a, b, bf)
         xm = torch.randn(T, 2 * 14336, generator=g).cuda().to(bf)
         close(silu_mul.silu_and_mul(xm), silu_mul.silu_and_mul_ref(xm), bf)
-        kk, vv = torch.randn(T, 8, 128, generator=g).cuda().to(bf), torch.randn(T, 8, 128, generator=g).cuda().to(bf)
+        q, k, v, pos, cache, kc, vc = rope_store_case(g, T, 32, 8, 128, 4 * T, bf, "cuda")
         slots = torch.randperm(4 * T, generator=g)[:T].cuda()
         slots[::3] = -1
-        kc, vc = torch.zeros(4 * T, 8, 128, device="cuda", dtype=bf), torch.zeros(4 * T, 8, 128, device="cuda", dtype=bf)
         kc2, vc2 = kc.clone(), vc.clone()
-        kv_store.store_kv(kk, vv, kc, vc, slots)
-        kv_store.store_kv_ref(kk, vv, kc2, vc2, slots)
-        assert torch.equal(kc, kc2) and torch.equal(vc, vc2)
+        kmin, kmax = (torch.randn(4 * T, 8, 128, generator=g).cuda().to(bf) for _ in range(2))
+        kmin2, kmax2 = kmin.clone(), kmax.clone()
+        # page size 1: every slot is its own page, so the bounds are exact for any slot mapping
+        got = rs.rope_store(q, k, v, pos, cache, kc, vc, slots, kmin, kmax, 1)
+        want = rs.rope_store_ref(q, k, v, pos, cache, kc2, vc2, slots, kmin2, kmax2, 1)
+        for a, b in zip(got, want):
+            close(a, b, bf)
+        for a, b in ((kc, kc2), (kmin, kmin2), (kmax, kmax2)):
+            close(a, b, bf)
+        assert torch.equal(vc, vc2)
 
 
 @gpu

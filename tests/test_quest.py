@@ -19,7 +19,7 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 from sparsevllm import LLM, SamplingParams  # noqa: E402
-from sparsevllm.config import make_config  # noqa: E402
+from sparsevllm.method_registry import make_config  # noqa: E402
 from sparsevllm.kernels import quest as qk  # noqa: E402
 
 CUDA = torch.cuda.is_available()
@@ -46,12 +46,12 @@ def graph_shaped(llm):
     prepare, width = cm.prepare_step, cm.pages_for(llm.config.max_model_len)
     gen = torch.Generator().manual_seed(1)
 
-    def wide(seqs, num_tokens, is_prefill):
-        step = prepare(seqs, num_tokens, is_prefill)
+    def wide(seqs, num_tokens, is_prefill, *feed):
+        step = prepare(seqs, num_tokens, is_prefill, *feed)
         if not is_prefill:
             bt = torch.randint(0, cm.num_pages, (len(seqs), width), generator=gen, dtype=torch.int32)
             bt[:, :step.block_tables.shape[1]] = step.block_tables
-            for i, ctx in enumerate(step.context_lens.tolist()):
+            for i, ctx in enumerate(step.cache_lens.tolist()):
                 bt[i, cm.pages_for(ctx):] = torch.randint(0, cm.num_pages, (width - cm.pages_for(ctx),),
                                                           generator=gen, dtype=torch.int32)
             step.block_tables = bt.to(step.block_tables.device)
@@ -101,7 +101,7 @@ def check_decode_views(llm, log):
         P, n = cm.page_size, cm.budget_pages
         B, G, _ = view.table.shape
         for b in range(B):
-            ctx = int(step.context_lens[b])
+            ctx = int(step.cache_lens[b])
             row = step.block_tables[b, :cm.pages_for(ctx)].tolist()
             logical = {page: j for j, page in enumerate(row)}
             for g in range(G):
@@ -129,8 +129,8 @@ def check_metadata(llm, log):
     def checked(step):
         P = cm.page_size
         for b, seq in enumerate(step.seqs):
-            ctx = int(step.context_lens[b])
-            for j, page in enumerate(cm.block_tables[seq.seq_id][:cm.pages_for(ctx)]):
+            ctx = int(step.cache_lens[b])
+            for j, page in enumerate(cm.tables[seq.seq_id][:cm.pages_for(ctx)]):
                 count = min(P, ctx - j * P)
                 for layer in range(cm.skip_layers, cm.num_layers):
                     keys = cm.pool.layer(layer)[0][page * P:page * P + count]

@@ -17,7 +17,7 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 from sparsevllm import LLM, SamplingParams  # noqa: E402
-from sparsevllm.config import make_config  # noqa: E402
+from sparsevllm.method_registry import make_config  # noqa: E402
 from sparsevllm.kernels import snapkv as sk  # noqa: E402
 
 CUDA = torch.cuda.is_available()
@@ -226,7 +226,7 @@ def test_pages_and_counters_after_compaction(model):
     eng.step()                                                       # the whole prompt in one chunk
     assert (seq.num_computed_tokens, seq.cache_len) == (150, C)      # logical length vs cache length
     acc = cm.memory_accounting()
-    assert acc["used_pages"] == -(-C // P) and len(cm.block_tables[seq.seq_id]) == -(-C // P)
+    assert acc["used_pages"] == -(-C // P) and len(cm.tables[seq.seq_id]) == -(-C // P)
     assert acc["kv_used_bytes"] == acc["used_pages"] * acc["kv_page_bytes"]
     assert acc["evicted_tokens"] == 150 - C and acc["evicted_bytes"] == (150 - C) * acc["kv_page_bytes"] // P
     for t in range(1, 20):
@@ -267,10 +267,11 @@ def test_prefix_cache_reuses_raw_prompt_pages_but_never_names_compacted_ones(mod
     assert batch.num_tokens == [150 - 128]
     step = cm.prepare_step(batch.seqs, batch.num_tokens, True)
     eng.model_runner.forward(step)
+    cm.on_step_end(step)
     for s, n in zip(batch.seqs, batch.num_tokens):
         cm.commit(s, n)
     assert (seq.num_computed_tokens, seq.cache_len) == (150, C)
-    assert all(cm.allocator.hash_of[page] == -1 for page in cm.block_tables[seq.seq_id])
+    assert all(cm.allocator.hash_of[page] == -1 for page in cm.tables[seq.seq_id])
     eng.scheduler.preempt(seq)                                          # undo the manual step
     eng.run([seq], use_tqdm=False)
     assert seq.completion_token_ids == reference[0]

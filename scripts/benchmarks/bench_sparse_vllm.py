@@ -115,7 +115,7 @@ def load_model_config(model_path: str) -> tuple[dict, bool]:
 
 def validate(args) -> dict:
     """Every check that can fail before a model loads; returns the sweep plan. Knob validation goes
-    through sparsevllm.config.make_config, which builds the config without loading anything."""
+    through sparsevllm.method_registry.make_config, which builds the config without loading anything."""
     lengths = parse_int_list("--lengths", args.lengths)
     batches = parse_int_list("--batch_sizes", args.batch_sizes)
     if args.output_len < 1:
@@ -141,7 +141,7 @@ def validate(args) -> dict:
             raise ValueError(f"preset {args.model_path!r} has no weights; load_format must be 'dummy'")
         knobs["load_format"] = "dummy"
 
-    from sparsevllm.config import make_config
+    from sparsevllm.method_registry import make_config
     from sparsevllm.method_registry import available_methods, method_knob_owners
 
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
@@ -156,11 +156,12 @@ def validate(args) -> dict:
         if key in owners and owners[key] not in methods:
             raise ValueError(f"--hyper_params: knob {key!r} belongs to method {owners[key]!r}, "
                              f"which is not in --methods ({', '.join(methods)})")
-    per_method, resolved = {}, {}
+    per_method, resolved, configs = {}, {}, {}
     for m in methods:
         # engine knobs (and unknown ones, which make_config rejects) go to every method
         per_method[m] = {k: v for k, v in knobs.items() if owners.get(k, m) == m}
         cfg = make_config(model=None if is_preset else args.model_path, vllm_sparse_method=m, **per_method[m])
+        configs[m] = cfg
         resolved[m] = {**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name != "method_config"},
                        **dataclasses.asdict(cfg.method_config)}
 
@@ -172,7 +173,24 @@ def validate(args) -> dict:
     if args.baseline:  # the baseline honours the engine's dtype / device / seed knobs
         per_method[args.baseline] = {k: v for k, v in knobs.items() if k in ("dtype", "device", "seed")}
     return {"lengths": lengths, "batches": batches, "methods": ordered, "knobs": per_method, "resolved": resolved,
-            "model_config": model_cfg, "is_preset": is_preset}
+            "configs": configs, "model_config": model_cfg, "is_preset": is_preset}
+
+
+def kv_read_model(plan: dict, method: str):
+    """What one request's decode step reads, as the method's cache manager says (None: dense, the
+    HF baseline)."""
+    if method not in plan["configs"]:
+        return None
+    from sparsevllm.method_registry import get_method
+    cls, cfg, layers = get_method(method), plan["configs"][method], plan["model_config"]["num_hidden_layers"]
+    return lambda prompt_len, cache_len: cls.decode_kv_tokens_read(cfg, layers, prompt_len, cache_len)
+
+
+def kv_tokens_held(plan: dict, method: str, length: int, output_len: int) -> int | None:
+    if method not in plan["configs"]:
+        return None
+    from sparsevllm.method_registry import get_method
+    return get_method(method).kv_tokens_held(plan["configs"][method], length, output_len)
 
 
 def model_dir(args, plan: dict) -> str:
@@ -231,15 +249,16 @@ def _dtype_bytes(result: dict, resolved: dict) -> int:
     return 4 if name == "float32" else 2
 
 
-def make_row(case: dict, result: dict, args) -> dict:
+def make_row(case: dict, result: dict, args, plan: dict) -> dict:
     row = {k: case[k] for k in ("run_id", "method", "length", "batch", "output_len", "repeat", "seed")}
     row.update(status=result.get("status"), error=result.get("error"))
     row.update({k: v for k, v in result.items() if k not in row})
     for key in bench_case.METRIC_KEYS:
         row.setdefault(key, None)
     resolved = case["resolved_knobs"]
-    roof = bench_roofline.roofline(case["model_config"], _dtype_bytes(result, resolved), case["method"], resolved,
-                                   case["batch"], case["length"], case["output_len"], args.hbm_bw)
+    roof = bench_roofline.roofline(case["model_config"], _dtype_bytes(result, resolved),
+                                   kv_read_model(plan, case["method"]), case["batch"], case["length"],
+                                   case["output_len"], args.hbm_bw)
     row.update(roof)
     dec = row.get("decode_tok_s")
     row["roofline_fraction"] = dec / roof["roofline_tok_s"] if dec else None
@@ -280,14 +299,13 @@ def run_sweep(args, plan: dict) -> list[dict]:
                               "output_len": args.output_len, "repeat": args.repeat, "seed": args.seed,
                               "model_dir": mdir, "model_config": plan["model_config"], "engine_kwargs": kwargs,
                               "resolved_knobs": resolved,
-                              "kv_tokens_stored": bench_roofline.kv_tokens_stored(method, resolved, length,
-                                                                                  args.output_len)})
+                              "kv_tokens_stored": kv_tokens_held(plan, method, length, args.output_len)})
     rows = []
     jsonl = os.path.join(args.out_dir, "results.jsonl")
     bar = tqdm(cases, desc="cases", unit="case")
     for case in bar:
         bar.set_postfix_str(f"{case['method']} L={case['length']} B={case['batch']}")
-        row = make_row(case, run_case_process(case, args.out_dir, args.case_timeout), args)
+        row = make_row(case, run_case_process(case, args.out_dir, args.case_timeout), args, plan)
         rows.append(row)
         bench_report.add_speedups(rows)  # vanilla runs first in each (length, batch) group
         with open(jsonl, "a") as f:

@@ -1,11 +1,11 @@
-"""Engine knobs and method-knob parsing.
+"""Engine knobs and the base of method knobs.
 
 Every knob is a flat keyword argument of LLM(...). Engine knobs live in EngineConfig; each method
 knob belongs to exactly one method's config dataclass (a MethodConfig subclass), prefixed with the
-method name (quest_token_budget). `make_config` validates everything without loading a model, so the
-benchmark and the harness can reject bad input before any weights move.
+method name (quest_token_budget). `method_registry.make_config` splits and validates them without
+loading a model, so the benchmark and the harness can reject bad input before any weights move.
+This module imports nothing of the package: the cache managers and the registry build on it.
 """
-import difflib
 from dataclasses import dataclass, field, fields
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -44,6 +44,7 @@ class EngineConfig:
     enforce_eager: bool = False
     load_format: str = "auto"
     enable_prefix_caching: bool = True
+    async_scheduling: bool | None = None   # None: on for CUDA, off on a CPU
     seed: int = 0
     tensor_parallel_size: int = 1
     method_config: MethodConfig = field(default_factory=MethodConfig, repr=False)
@@ -67,39 +68,9 @@ class EngineConfig:
         need(self.cpu_kv_cache_gb > 0, "cpu_kv_cache_gb", "a positive number of GiB")
         need(self.num_kv_pages is None or (isinstance(self.num_kv_pages, int) and self.num_kv_pages >= 1),
              "num_kv_pages", "None (sized from memory) or an integer >= 1")
+        need(self.async_scheduling is None or isinstance(self.async_scheduling, bool), "async_scheduling",
+             "None (on for CUDA, off on a CPU), True or False")
         need(self.tensor_parallel_size == 1, "tensor_parallel_size", "1 (tensor parallelism is not implemented yet)")
 
 
 ENGINE_KNOBS = [f.name for f in fields(EngineConfig) if f.name not in ("model", "vllm_sparse_method", "method_config")]
-
-
-def make_config(model: str | None = None, vllm_sparse_method: str = "vanilla", **knobs) -> EngineConfig:
-    """Split flat knobs into engine and method config and validate both; loads nothing."""
-    from sparsevllm.method_registry import get_method, method_knob_owners
-
-    if "sparse_method" in knobs:
-        alias = knobs.pop("sparse_method")
-        if vllm_sparse_method not in ("vanilla", alias):
-            raise ValueError(f"vllm_sparse_method={vllm_sparse_method!r} and sparse_method={alias!r} disagree")
-        vllm_sparse_method = alias
-    method_cls = get_method(vllm_sparse_method)
-    own = set(method_cls.config_cls.knob_names())
-    owners = method_knob_owners()
-    engine_kw, method_kw = {}, {}
-    for key, value in knobs.items():
-        if key in ENGINE_KNOBS:
-            engine_kw[key] = value
-        elif key in own:
-            method_kw[key] = value
-        elif key in owners:
-            raise ValueError(f"knob {key!r} belongs to method {owners[key]!r}, "
-                             f"but vllm_sparse_method={vllm_sparse_method!r}")
-        else:
-            known = ENGINE_KNOBS + sorted(owners)
-            close = difflib.get_close_matches(key, known, n=1)
-            hint = f"; did you mean {close[0]!r}?" if close else f"; valid knobs: {', '.join(known)}"
-            raise ValueError(f"unknown knob {key!r}{hint}")
-    cfg = EngineConfig(model=model, vllm_sparse_method=vllm_sparse_method,
-                       method_config=method_cls.config_cls(**method_kw), **engine_kw)
-    cfg.validate()
-    return cfg

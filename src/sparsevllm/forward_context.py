@@ -4,13 +4,20 @@ Attention layers sit deep inside model code that must not know about steps or me
 read the step here instead of receiving it as an argument. The SparseController sets and clears it.
 """
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from sparsevllm.engine.cache_manager.base import CacheManager
+from sparsevllm.engine.step import StepState
+
+if TYPE_CHECKING:  # the controller imports this module
+    from sparsevllm.engine.sparse_controller import SparseController
 
 
 @dataclass
 class ForwardContext:
-    step: object            # StepState
-    cache_manager: object   # CacheManager
-    controller: object      # SparseController
+    step: StepState
+    cache_manager: CacheManager
+    controller: "SparseController"
 
 
 _context: ForwardContext | None = None

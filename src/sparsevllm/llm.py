@@ -3,15 +3,16 @@ import logging
 
 import torch
 
-from sparsevllm.config import make_config
 from sparsevllm.engine.llm_engine import LLMEngine
+from sparsevllm.method_registry import make_config
 from sparsevllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
 
 class LLM:
-    def __init__(self, model: str | None = None, vllm_sparse_method: str = "vanilla", **knobs):
+    def __init__(self, model: str | None = None, vllm_sparse_method: str | None = None, **knobs):
+        """vllm_sparse_method: a registered method (None: vanilla); `sparse_method=` is its alias."""
         self.config = make_config(model, vllm_sparse_method, **knobs)
         self.engine = LLMEngine(self.config)
         self.tokenizer = self.engine.tokenizer

@@ -1,44 +1,64 @@
-"""Method name -> cache-manager class. The class carries its config dataclass, prefill policy and
-capabilities; the registry is what LLM(), the benchmark and the regression harness enumerate."""
+"""Method name -> cache-manager class, and the parsing of LLM(...)'s flat knobs into a validated
+EngineConfig. The class carries its config dataclass, prefill policy and capabilities; the registry
+is what LLM(), the benchmark and the regression harness enumerate. Adding a method: its module in
+engine/cache_manager/ and one entry below.
+
+Imports run one way: config <- cache managers <- this module, so nothing below imports it back.
+"""
+import difflib
+
+from sparsevllm.config import ENGINE_KNOBS, EngineConfig
 from sparsevllm.engine.cache_manager.base import CacheManager
+from sparsevllm.engine.cache_manager.quest import QuestCacheManager
+from sparsevllm.engine.cache_manager.snapkv import SnapKVCacheManager
+from sparsevllm.engine.cache_manager.vanilla import VanillaCacheManager
 
-_METHODS: dict[str, type[CacheManager]] = {}
-
-
-def register_method(name: str):
-    def wrap(cls: type[CacheManager]) -> type[CacheManager]:
-        if name in _METHODS:
-            raise ValueError(f"sparse method {name!r} is registered twice")
-        cls.method_name = name
-        _METHODS[name] = cls
-        return cls
-    return wrap
-
-
-def _load_builtin_methods() -> None:
-    # Importing the modules runs their @register_method decorators.
-    from sparsevllm.engine.cache_manager import vanilla  # noqa: F401
-    from sparsevllm.engine.cache_manager import snapkv  # noqa: F401
-    from sparsevllm.engine.cache_manager import quest  # noqa: F401
+METHODS: dict[str, type[CacheManager]] = {
+    cls.method_name: cls for cls in (VanillaCacheManager, SnapKVCacheManager, QuestCacheManager)}
 
 
 def available_methods() -> list[str]:
-    _load_builtin_methods()
-    return sorted(_METHODS)
+    return sorted(METHODS)
 
 
 def get_method(name: str) -> type[CacheManager]:
-    _load_builtin_methods()
-    if not isinstance(name, str) or name not in _METHODS:
-        raise ValueError(f"unknown vllm_sparse_method {name!r}; registered methods: {', '.join(sorted(_METHODS))}")
-    return _METHODS[name]
+    if not isinstance(name, str) or name not in METHODS:
+        raise ValueError(f"unknown vllm_sparse_method {name!r}; registered methods: {', '.join(sorted(METHODS))}")
+    return METHODS[name]
 
 
 def method_knob_owners() -> dict[str, str]:
     """Every method knob -> the method that owns it (knobs are flat LLM(...) keyword arguments)."""
-    _load_builtin_methods()
-    owners = {}
-    for name, cls in _METHODS.items():
-        for knob in cls.config_cls.knob_names():
-            owners[knob] = name
-    return owners
+    return {knob: name for name, cls in METHODS.items() for knob in cls.config_cls.knob_names()}
+
+
+def make_config(model: str | None = None, vllm_sparse_method: str | None = None, **knobs) -> EngineConfig:
+    """Split flat knobs into engine and method config and validate both; loads nothing.
+    `sparse_method` is an alias of `vllm_sparse_method`; giving both with different values is an error."""
+    if "sparse_method" in knobs:
+        alias = knobs.pop("sparse_method")
+        if vllm_sparse_method is not None and vllm_sparse_method != alias:
+            raise ValueError(f"vllm_sparse_method={vllm_sparse_method!r} and its alias sparse_method={alias!r} "
+                             "disagree; give one of them")
+        vllm_sparse_method = alias
+    method_cls = get_method("vanilla" if vllm_sparse_method is None else vllm_sparse_method)
+    own = set(method_cls.config_cls.knob_names())
+    owners = method_knob_owners()
+    engine_kw, method_kw = {}, {}
+    for key, value in knobs.items():
+        if key in ENGINE_KNOBS:
+            engine_kw[key] = value
+        elif key in own:
+            method_kw[key] = value
+        elif key in owners:
+            raise ValueError(f"knob {key!r} belongs to method {owners[key]!r}, "
+                             f"but vllm_sparse_method={method_cls.method_name!r}")
+        else:
+            known = ENGINE_KNOBS + sorted(owners)
+            close = difflib.get_close_matches(key, known, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else f"; valid knobs: {', '.join(known)}"
+            raise ValueError(f"unknown knob {key!r}{hint}")
+    cfg = EngineConfig(model=model, vllm_sparse_method=method_cls.method_name,
+                       method_config=method_cls.config_cls(**method_kw), **engine_kw)
+    cfg.validate()
+    return cfg

@@ -1,4 +1,4 @@
-"""Paged KV storage, the page allocator and the prefix cache.
+"""Paged KV storage, the page allocator, the requests' block tables and the prefix cache.
 
 The pool holds, per layer, K and V as [num_pages * page_size, H_kv, D]: the slot of logical token t
 of a request is table[t // P] * P + t % P. Full pages of raw prompt/decode KV are named by a chained
@@ -11,6 +11,8 @@ from collections import OrderedDict, deque
 import numpy as np
 import torch
 import xxhash
+
+from sparsevllm.engine.sequence import Sequence
 
 
 def page_hash(token_ids: list[int], prev_hash: int) -> int:
@@ -101,3 +103,105 @@ class PageAllocator:
     def is_idle(self) -> bool:
         """True when no page is referenced: the state every request must leave behind."""
         return self.num_free == self.num_pages and not any(self.refcount)
+
+
+class PageTables:
+    """Every request's block table over one PageAllocator, and the prefix-cache naming of its pages.
+
+    Tables are kept twice: as lists (what the allocator hands out) and as int32 arrays, so building
+    a step's [B, N] table is B row copies rather than N Python ints per request (at 128K context
+    that is thousands per step). A request's pages are named in order as their tokens become known
+    and stored; `named` counts them.
+    """
+
+    def __init__(self, allocator: PageAllocator, page_size: int, max_pages: int, prefix_caching: bool):
+        self.allocator, self.page_size = allocator, page_size
+        self.max_pages = max_pages
+        self.prefix_caching = prefix_caching
+        self.tables: dict[int, list[int]] = {}
+        self.arrays: dict[int, np.ndarray] = {}
+        self.named: dict[int, int] = {}
+        # Chained hashes of each request's full pages, memoised: a long prompt waiting at the head
+        # of the queue is asked about every step, and its tokens only ever grow at the end.
+        self._hashes: dict[int, list[int]] = {}
+
+    def __getitem__(self, seq_id: int) -> list[int]:
+        return self.tables[seq_id]
+
+    def __contains__(self, seq_id: int) -> bool:
+        return seq_id in self.tables
+
+    def page_hashes(self, seq: Sequence, num_pages: int) -> list[int]:
+        hashes = self._hashes.setdefault(seq.seq_id, [])
+        P = self.page_size
+        for i in range(len(hashes), num_pages):
+            hashes.append(page_hash(seq.token_ids[i * P:(i + 1) * P], hashes[-1] if hashes else -1))
+        return hashes[:num_pages]
+
+    def cached_prefix(self, seq: Sequence) -> list[int]:
+        """Pages of the longest cached prefix of seq's known tokens; never the page of the last
+        token, whose logits are needed."""
+        pages = []
+        if self.prefix_caching:
+            for h in self.page_hashes(seq, (len(seq.token_ids) - 1) // self.page_size):
+                page = self.allocator.lookup(h)
+                if page is None:
+                    break
+                pages.append(page)
+        return pages
+
+    def open(self, seq: Sequence, hits: list[int]) -> None:
+        """Start seq's table with the prefix-cache hits (shared, already named)."""
+        assert seq.seq_id not in self.tables
+        for page in hits:
+            self.allocator.share(page)
+        self.tables[seq.seq_id] = list(hits)
+        arr = np.zeros(self.max_pages, dtype=np.int32)
+        arr[:len(hits)] = hits
+        self.arrays[seq.seq_id] = arr
+        self.named[seq.seq_id] = len(hits)
+
+    def grow(self, seq: Sequence, num_tokens: int) -> bool:
+        """Make the table hold num_tokens stored tokens; False (nothing taken) if the pool is short."""
+        table = self.tables[seq.seq_id]
+        need = -(-num_tokens // self.page_size) - len(table)
+        if need <= 0:
+            return True
+        if need > self.allocator.num_free:
+            return False
+        start = len(table)
+        table.extend(self.allocator.allocate() for _ in range(need))
+        self.arrays[seq.seq_id][start:len(table)] = table[start:]
+        return True
+
+    def replace(self, seq: Sequence, pages: list[int]) -> None:
+        """Point seq at other pages (a method that rewrote its KV); the caller released the old ones.
+        Rewritten pages are never named."""
+        old = self.tables[seq.seq_id]
+        arr = self.arrays[seq.seq_id]
+        arr[:len(old)] = 0
+        arr[:len(pages)] = pages
+        self.tables[seq.seq_id] = list(pages)
+        self.named[seq.seq_id] = len(pages)
+
+    def close(self, seq: Sequence) -> None:
+        # Release the tail first so that, among cached pages, prefixes outlive their suffixes.
+        for page in reversed(self.tables.pop(seq.seq_id, [])):
+            self.allocator.release(page)
+        self.arrays.pop(seq.seq_id, None)
+        self.named.pop(seq.seq_id, None)
+        if seq.is_finished:
+            self._hashes.pop(seq.seq_id, None)
+
+    def name_full_pages(self, seq: Sequence, end: int) -> None:
+        """Enter the full pages holding stored tokens [0, end) into the prefix cache, as far as
+        their tokens are known (under overlapped scheduling the last one may still be sampling)."""
+        if not self.prefix_caching:
+            return
+        start, stop = self.named[seq.seq_id], min(end, len(seq.token_ids)) // self.page_size
+        if stop <= start:
+            return
+        table = self.tables[seq.seq_id]
+        for i, h in enumerate(self.page_hashes(seq, stop)[start:], start):
+            self.allocator.register(table[i], h)
+        self.named[seq.seq_id] = stop

@@ -11,6 +11,7 @@ from sparsevllm.config import EngineConfig
 from sparsevllm.engine.model_runner import ModelRunner
 from sparsevllm.engine.scheduler import Scheduler
 from sparsevllm.engine.sequence import Sequence
+from sparsevllm.engine.staging import to_device
 from sparsevllm.layers.sampler import sample
 from sparsevllm.method_registry import get_method
 from sparsevllm.models.config import ModelConfig
@@ -20,6 +21,38 @@ from sparsevllm.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+
+
+class _Launched:
+    """A step whose forward and sampling are issued: its sampled tokens (one per request in seqs)
+    are on the device and on their way to pinned host memory."""
+
+    def __init__(self, seqs: list[Sequence], tokens: torch.Tensor | None, logprobs: torch.Tensor | None,
+                 num_tokens: int):
+        self.seqs, self.device_tokens, self.num_tokens = seqs, tokens, num_tokens
+        self.rows = {s.seq_id: j for j, s in enumerate(seqs)}
+        self._tokens = self._logprobs = self._ready = None
+        if tokens is None:
+            return
+        if tokens.is_cuda:
+            self._tokens = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            self._tokens.copy_(tokens, non_blocking=True)
+            if logprobs is not None:
+                self._logprobs = torch.empty(logprobs.shape, dtype=logprobs.dtype, pin_memory=True)
+                self._logprobs.copy_(logprobs, non_blocking=True)
+            self._ready = torch.cuda.Event()
+            self._ready.record()
+        else:
+            self._tokens, self._logprobs = tokens, logprobs
+
+    def host_tokens(self) -> torch.Tensor:
+        if self._ready is not None:
+            self._ready.synchronize()
+        return self._tokens
+
+    def host_logprobs(self) -> torch.Tensor | None:
+        self.host_tokens()
+        return self._logprobs
 
 
 class LLMEngine:
@@ -33,21 +66,26 @@ class LLMEngine:
                 raise ValueError(f"model {model_path!r} is not a folder; pass a Hugging Face model folder, or "
                                  "model=None / 'smollm2-135m' for the embedded default model")
         self.model_path = model_path
-        self.model_config = mc = ModelConfig.from_folder(model_path)
-        get_model_class(mc.architecture)  # unsupported architecture: fail before loading anything
+        self.model_config = model_cfg = ModelConfig.from_folder(model_path)
+        get_model_class(model_cfg.architecture)  # unsupported architecture: fail before loading anything
         if config.max_model_len is None:
-            config.max_model_len = mc.max_position_embeddings
-        elif config.max_model_len > mc.max_position_embeddings:
+            config.max_model_len = model_cfg.max_position_embeddings
+        elif config.max_model_len > model_cfg.max_position_embeddings:
             raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's context "
-                             f"(max_position_embeddings={mc.max_position_embeddings})")
+                             f"(max_position_embeddings={model_cfg.max_position_embeddings})")
         self.config = config
         self.tokenizer = self._load_tokenizer(model_path)
         self.eos_token_ids = self._eos_ids(model_path)
-        self.model_runner = ModelRunner(config, model_path, mc, get_method(config.vllm_sparse_method))
+        self.model_runner = ModelRunner(config, model_path, model_cfg, get_method(config.vllm_sparse_method))
         self.cache_manager = self.model_runner.cache_manager
         self.scheduler = Scheduler(config, self.cache_manager)
         self.generator = torch.Generator(device=self.model_runner.device).manual_seed(config.seed)
         self._seq_generators: dict[int, torch.Generator] = {}
+        # Overlapped scheduling pays where the device runs asynchronously to the host (CUDA); on a
+        # CPU every op finishes before the next is issued, so there is nothing to overlap.
+        self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
+                                 else self.model_runner.device.type == "cuda")
+        self._in_flight: _Launched | None = None
 
     @staticmethod
     def _load_tokenizer(path: str):
@@ -110,42 +148,66 @@ class LLMEngine:
 
     # ---- the loop -----------------------------------------------------------------------------
     def step(self) -> tuple[list[Sequence], int]:
-        """Run one scheduled step; return the requests it finished and the tokens it processed."""
+        """One engine step; returns the requests it finished and the tokens its forward processed.
+
+        The lifecycle of a step, in order: schedule -> prepare (host inputs) -> forward ->
+        on_step_end -> sample -> commit (counters) are issued by `_launch`; finish (learn the sampled
+        tokens, stop conditions, free) is `_finish`. With overlapped scheduling (async_scheduling)
+        the step finished here is the one launched before: its tokens were produced by the GPU
+        while the host built this one, and this one reads them on the device.
+        """
+        launched = self._launch()
+        if launched is None and self._in_flight is None:
+            return (self._fail_stuck_request() if self.scheduler.has_work() else []), 0
+        if self.async_scheduling:
+            done, self._in_flight = self._in_flight, launched
+        else:
+            done = launched
+        return self._finish(done), (done.num_tokens if done else 0)
+
+    def _launch(self) -> "_Launched | None":
         batch = self.scheduler.schedule()
         if not batch.seqs:
-            # Nothing can run: the head of the queue needs more pages than exist even with every
-            # other request gone. Fail it rather than wait forever.
-            seq = self.scheduler.waiting[0] if self.scheduler.waiting else self.scheduler.running[0]
-            if seq in self.scheduler.waiting:
-                self.scheduler.waiting.remove(seq)
-            seq.error = (f"request of {len(seq)} tokens no longer fits the KV pool ({self.cache_manager.num_pages} "
-                         f"pages of {self.config.page_size})")
-            logger.warning("request %d failed: %s", seq.seq_id, seq.error)
-            self.scheduler.finish(seq, "error")
-            return [seq], 0
-        step = self.cache_manager.prepare_step(batch.seqs, batch.num_tokens, batch.is_prefill)
-        logits = self.model_runner.forward(step)
-        done = [seq.num_computed_tokens + n == len(seq) for seq, n in zip(batch.seqs, batch.num_tokens)]
-        rows = [i for i, d in enumerate(done) if d]
-        tokens = []
-        if rows:
-            sel = logits if len(rows) == len(done) else logits.index_select(
-                0, torch.tensor(rows, device=logits.device))
-            seqs = [batch.seqs[i] for i in rows]
-            tokens = sample(sel, [s.params for s in seqs], [self._seq_generators.get(s.seq_id) for s in seqs],
-                            self.generator).tolist()
+            return None
+        cm, runner, prev = self.cache_manager, self.model_runner, self._in_flight
+        feed = None
+        if prev is not None and not batch.is_prefill:
+            feed = [prev.rows.get(s.seq_id, -1) if s.num_pending_tokens else -1 for s in batch.seqs]
+            feed = feed if max(feed) >= 0 else None
+        step = cm.prepare_step(batch.seqs, batch.num_tokens, batch.is_prefill, feed)
+        logits = runner.forward(step, prev.device_tokens if feed is not None else None)
+        cm.on_step_end(step)
+        seqs = [batch.seqs[i] for i in step.sampled]
+        tokens = logprobs = None
+        if seqs:
+            tokens = sample(logits, [s.params for s in seqs], [self._seq_generators.get(s.seq_id) for s in seqs],
+                            self.generator)
+            forced = [(j, s.forced_token_ids[s.num_completion_tokens + s.num_pending_tokens])
+                      for j, s in enumerate(seqs) if s.forced_token_ids is not None]
+            if forced:
+                rows, ids = zip(*forced)
+                tokens[to_device(rows, tokens.device)] = to_device(ids, tokens.device)
+            if any(s.logprobs is not None for s in seqs):
+                logprobs = torch.log_softmax(logits, dim=-1)
+        for seq, n in zip(batch.seqs, batch.num_tokens):
+            cm.commit(seq, n)
+        for seq in seqs:
+            seq.num_pending_tokens += 1
+        return _Launched(seqs, tokens, logprobs, sum(batch.num_tokens))
+
+    def _finish(self, launched: "_Launched | None") -> list[Sequence]:
+        if launched is None or not launched.seqs:
+            return []
+        tokens = launched.host_tokens().tolist()
+        logprobs = launched.host_logprobs()
         now = time.perf_counter()
         finished = []
-        for seq, n in zip(batch.seqs, batch.num_tokens):
-            self.cache_manager.commit(seq, n)
-        for j, i in enumerate(rows):
-            seq = batch.seqs[i]
-            token = tokens[j]
+        for j, (seq, token) in enumerate(zip(launched.seqs, tokens)):
+            if seq.is_finished:
+                continue  # it finished at the step before: this was an extra step, its token is dropped
+            seq.append_token(token, pending=True)
             if seq.logprobs is not None:
-                seq.logprobs.append(torch.log_softmax(sel[j], dim=-1).cpu())
-            if seq.forced_token_ids is not None:
-                token = seq.forced_token_ids[seq.num_completion_tokens]
-            seq.append_token(token)
+                seq.logprobs.append(logprobs[j])
             if seq.first_token_time is None:
                 seq.first_token_time = now
             seq.token_times.append(now)
@@ -154,7 +216,17 @@ class LLMEngine:
                 self.scheduler.finish(seq, reason)
                 self._seq_generators.pop(seq.seq_id, None)
                 finished.append(seq)
-        return finished, sum(batch.num_tokens)
+        return finished
+
+    def _fail_stuck_request(self) -> list[Sequence]:
+        """Nothing can run and nothing is in flight: the head of the queue needs more pages than
+        exist even with every other request gone. Fail it rather than wait forever."""
+        seq = self.scheduler.waiting[0] if self.scheduler.waiting else self.scheduler.running[0]
+        seq.error = (f"request of {len(seq)} tokens no longer fits the KV pool ({self.cache_manager.num_pages} "
+                     f"pages of {self.config.page_size})")
+        logger.warning("request %d failed: %s", seq.seq_id, seq.error)
+        self.scheduler.finish(seq, "error")
+        return [seq]
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
         p = seq.params
@@ -162,7 +234,7 @@ class LLMEngine:
             return "stop"
         if token in p.stop_token_ids:
             return "stop"
-        if seq.num_completion_tokens >= p.max_tokens or len(seq) >= self.config.max_model_len:
+        if seq.num_completion_tokens >= p.max_tokens or len(seq.token_ids) >= self.config.max_model_len:
             return "length"
         return None
 
@@ -170,13 +242,16 @@ class LLMEngine:
         pending = sum(not s.is_finished for s in seqs)
         bar = tqdm(total=len(seqs), desc=desc, disable=not use_tqdm, dynamic_ncols=True)
         bar.update(len(seqs) - pending)
-        while self.scheduler.has_work():
+        while self.has_work():
             t0 = time.perf_counter()
             finished, num_tokens = self.step()
             bar.set_postfix_str(f"{num_tokens / max(time.perf_counter() - t0, 1e-9):.0f} tok/s")
             bar.update(len(finished))
         bar.close()
         assert self.cache_manager.allocator.is_idle() or self.scheduler.has_work(), "KV pages leaked"
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work() or self._in_flight is not None
 
     def output(self, seq: Sequence) -> dict:
         ids = seq.completion_token_ids

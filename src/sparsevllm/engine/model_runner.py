@@ -5,7 +5,7 @@ import logging
 import torch
 
 from sparsevllm.config import EngineConfig
-from sparsevllm.engine.cache_manager.base import StepState
+from sparsevllm.engine.step import StepState
 from sparsevllm.engine.sparse_controller import SparseController
 from sparsevllm.models.config import ModelConfig
 from sparsevllm.models.loader import init_dummy_weights, load_weights
@@ -44,10 +44,10 @@ class ModelRunner:
         else:
             load_weights(self.model, model_path)
         self.model.eval()
-        mc = model_config
+        model_cfg = model_config
         num_pages = self._num_kv_pages(method_cls)
-        self.cache_manager = method_cls(config, mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim,
-                                        num_pages, self.dtype, self.device)
+        self.cache_manager = method_cls(config, model_cfg.num_hidden_layers, model_cfg.num_key_value_heads,
+                                        model_cfg.head_dim, num_pages, self.dtype, self.device)
         self.controller = SparseController(self.cache_manager)
         self.graphs = None
         if self.device.type == "cuda" and not config.enforce_eager:
@@ -57,13 +57,13 @@ class ModelRunner:
                 logger.warning("method %s cannot be captured in CUDA graphs: decode runs eagerly",
                                config.vllm_sparse_method)
         self.execution_mode = "cuda_graph" if self.graphs is not None else "eager"
-        logger.info("model %s on %s (%s), KV pool %d pages of %d tokens", mc.architecture, self.device,
+        logger.info("model %s on %s (%s), KV pool %d pages of %d tokens", model_cfg.architecture, self.device,
                     self.dtype, num_pages, config.page_size)
 
     def _num_kv_pages(self, method_cls) -> int:
-        cfg, mc = self.config, self.model_config
-        page_bytes = method_cls.bytes_per_page(cfg, mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim,
-                                               self.dtype)
+        cfg, model_cfg = self.config, self.model_config
+        page_bytes = method_cls.bytes_per_page(cfg, model_cfg.num_hidden_layers, model_cfg.num_key_value_heads,
+                                               model_cfg.head_dim, self.dtype)
         if cfg.num_kv_pages is not None:
             return cfg.num_kv_pages
         # Never more than every running request at full length could use.
@@ -86,27 +86,31 @@ class ModelRunner:
         """Peak transient memory of the largest prefill step, estimated from the model shape: the
         hidden states, the qkv and gate/up projections of max_num_batched_tokens tokens, and the
         logits of one row per sequence, with a 2x margin for allocator slack."""
-        mc, cfg = self.model_config, self.config
+        m, cfg = self.model_config, self.config
         t = cfg.max_num_batched_tokens
-        width = mc.hidden_size * 4 + (mc.num_attention_heads + 2 * mc.num_key_value_heads) * mc.head_dim \
-            + 3 * mc.intermediate_size
+        width = m.hidden_size * 4 + (m.num_attention_heads + 2 * m.num_key_value_heads) * m.head_dim \
+            + 3 * m.intermediate_size
         elem = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * (t * width * elem + cfg.max_num_seqs * mc.vocab_size * 4)
+        return 2 * (t * width * elem + cfg.max_num_seqs * m.vocab_size * 4)
 
     @torch.inference_mode()
-    def forward(self, step: StepState) -> torch.Tensor:
-        """Run the model on a step; return fp32 logits of the rows in step.logits_indices."""
+    def forward(self, step: StepState, prev_tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """Run the model on a step; return fp32 logits of the rows in step.logits_indices.
+        prev_tokens: the previous step's sampled tokens, where step.feed_rows takes input ids from."""
+        if step.feed_rows is not None:
+            fed = prev_tokens[step.feed_rows.clamp(min=0)]
+            step.input_ids = torch.where(step.feed_rows >= 0, fed, step.input_ids)
         if self.graphs is not None and not step.is_prefill and step.batch_size <= self.graphs.max_bs:
             return self.graphs.replay(step).float()
         return self.eager_forward(step)
 
-    def eager_forward(self, step: StepState, run_step_end: bool = True) -> torch.Tensor:
+    def eager_forward(self, step: StepState) -> torch.Tensor:
         self.controller.begin(step)
         try:
             hidden = self.model(step.input_ids, step.positions)
             logits = self.model.compute_logits(hidden[step.logits_indices])
         finally:
-            self.controller.end(step, run_step_end)
+            self.controller.end()
         return logits.float()
 
 
@@ -128,12 +132,12 @@ class DecodeGraphs:
         max_pages = cm.pages_for(cfg.max_model_len)
         dev, bs = runner.device, self.max_bs
         self.static = StepState(
-            is_prefill=False, seqs=[], num_tokens=[],
+            is_prefill=False, seqs=[], num_tokens=[], sampled=[],
             input_ids=torch.zeros(bs, dtype=torch.int64, device=dev),
             positions=torch.zeros(bs, dtype=torch.int64, device=dev),
             slot_mapping=torch.full((bs,), -1, dtype=torch.int64, device=dev),
             block_tables=torch.zeros(bs, max_pages, dtype=torch.int32, device=dev),
-            context_lens=torch.ones(bs, dtype=torch.int32, device=dev),
+            cache_lens=torch.ones(bs, dtype=torch.int32, device=dev),
             cu_seqlens_q=torch.arange(bs + 1, dtype=torch.int32, device=dev),
             logits_indices=torch.arange(bs, dtype=torch.int64, device=dev),
             extras=cm.graph_extras(bs))
@@ -145,16 +149,16 @@ class DecodeGraphs:
 
     def _view(self, b: int) -> StepState:
         s = self.static
-        return StepState(is_prefill=False, seqs=[None] * b, num_tokens=[1] * b, input_ids=s.input_ids[:b],
-                         positions=s.positions[:b], slot_mapping=s.slot_mapping[:b],
-                         block_tables=s.block_tables[:b], context_lens=s.context_lens[:b],
+        return StepState(is_prefill=False, seqs=[None] * b, num_tokens=[1] * b, sampled=list(range(b)),
+                         input_ids=s.input_ids[:b], positions=s.positions[:b], slot_mapping=s.slot_mapping[:b],
+                         block_tables=s.block_tables[:b], cache_lens=s.cache_lens[:b],
                          cu_seqlens_q=s.cu_seqlens_q[:b + 1], logits_indices=s.logits_indices[:b],
                          extras={k: v[:b] for k, v in s.extras.items()})
 
     @torch.inference_mode()
     def _capture(self, b: int) -> None:
         step = self._view(b)
-        self.runner.eager_forward(step, run_step_end=False)  # warm-up: compiles kernels outside the capture
+        self.runner.eager_forward(step)  # warm-up: compiles kernels outside the capture
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         self.runner.controller.begin(step)
@@ -163,7 +167,7 @@ class DecodeGraphs:
                 hidden = self.runner.model(step.input_ids, step.positions)
                 self.outputs[b] = self.runner.model.compute_logits(hidden[step.logits_indices])
         finally:
-            self.runner.controller.end(step, run_step_end=False)
+            self.runner.controller.end()
         self.pool = self.pool or graph.pool()
         self.graphs[b] = graph
 
@@ -177,11 +181,9 @@ class DecodeGraphs:
         s.slot_mapping[n:b].fill_(-1)
         width = step.block_tables.shape[1]
         s.block_tables[:n, :width].copy_(step.block_tables)
-        s.context_lens[:n].copy_(step.context_lens)
-        s.context_lens[n:b].fill_(1)
+        s.cache_lens[:n].copy_(step.cache_lens)
+        s.cache_lens[n:b].fill_(1)
         for k, v in step.extras.items():
             s.extras[k][:n].copy_(v)
         self.graphs[b].replay()
-        # Hooks after the forward (on_step_end) still run eagerly, outside the graph.
-        self.runner.cache_manager.on_step_end(step)
         return self.outputs[b][:n]

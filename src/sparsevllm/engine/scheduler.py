@@ -66,8 +66,8 @@ class Scheduler:
                 break
         while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
             seq = self.waiting[0]
-            if not self.cm.can_admit(seq):
-                break
+            if seq.num_pending_tokens or not self.cm.can_admit(seq):
+                break  # (a request preempted while its last token was sampling waits for that token)
             self.cm.allocate(seq)
             if seq.num_uncomputed_tokens == 0:
                 break
@@ -79,11 +79,16 @@ class Scheduler:
             self.running.append(seq)
         return ScheduledBatch(seqs, num_tokens, True)
 
+    def _reaches_length(self, seq: Sequence) -> bool:
+        """Every token the request may produce is already sampled (overlapped scheduling: some are
+        still on the device); it finishes by length when they arrive, so it needs no more steps."""
+        return len(seq) - seq.num_prompt_tokens >= seq.params.max_tokens or len(seq) >= self.config.max_model_len
+
     def _schedule_decode(self) -> ScheduledBatch:
         scheduled = []
         for seq in list(self.running):
-            if seq.status != SequenceStatus.RUNNING or seq.in_prefill:
-                continue  # preempted below while making room for an earlier request, or still prefilling
+            if seq.status != SequenceStatus.RUNNING or seq.in_prefill or self._reaches_length(seq):
+                continue  # preempted below while making room for an earlier request, still prefilling, or done
             while not self.cm.reserve(seq, 1):
                 victim = self.running[-1]
                 self.preempt(victim)
@@ -105,8 +110,11 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     def finish(self, seq: Sequence, reason: str) -> None:
+        """Also for a request preempted while its last token was still sampling (it waits)."""
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         if seq in self.running:
             self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
         self.cm.free(seq)

@@ -26,6 +26,9 @@ class Sequence:
         # Tokens whose K/V are stored for this request. Equal to the logical length unless the method
         # evicts (SnapKV); the cache manager moves it.
         self.cache_len = 0
+        # Tokens sampled on the device whose ids the host does not know yet (overlapped
+        # scheduling: 0 or 1). They count in len(seq), not in token_ids.
+        self.num_pending_tokens = 0
         self.finish_reason: str | None = None
         self.error: str | None = None
         self.arrival_time = arrival_time
@@ -37,10 +40,11 @@ class Sequence:
         self.logprobs: list | None = None
 
     def __len__(self) -> int:
-        return len(self.token_ids)
+        return len(self.token_ids) + self.num_pending_tokens
 
     @property
     def num_completion_tokens(self) -> int:
+        """Generated tokens the host knows."""
         return len(self.token_ids) - self.num_prompt_tokens
 
     @property
@@ -49,7 +53,7 @@ class Sequence:
 
     @property
     def num_uncomputed_tokens(self) -> int:
-        return len(self.token_ids) - self.num_computed_tokens
+        return len(self) - self.num_computed_tokens
 
     @property
     def in_prefill(self) -> bool:
@@ -60,5 +64,8 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status == SequenceStatus.FINISHED
 
-    def append_token(self, token_id: int) -> None:
+    def append_token(self, token_id: int, pending: bool = False) -> None:
+        """A token learned by the host; pending: it was counted as sampling until now."""
         self.token_ids.append(token_id)
+        if pending:
+            self.num_pending_tokens -= 1

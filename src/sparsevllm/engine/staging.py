@@ -1,4 +1,4 @@
-"""Pinned host buffers for a step's integer inputs.
+"""Pinned host memory for what crosses to the device on the step path, so no copy waits for it.
 
 A step's inputs (token ids, positions, slots, block tables, ...) are written on the host into one
 buffer and cross to the device in one copy. From pageable memory that copy is staged by the
@@ -40,3 +40,13 @@ class HostStaging:
         self.events[i] = torch.cuda.Event()
         self.events[i].record()
         return dev
+
+
+def to_device(values, device: torch.device, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    """A small host list or array as a device tensor without waiting for the device: a plain copy
+    from pageable memory synchronises the stream, which would stall overlapped scheduling. (The
+    pinned buffer comes from torch's caching host allocator, which keeps it until the copy is done.)"""
+    t = torch.as_tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)

@@ -103,8 +103,8 @@ SELECTIONS = ("kv_head", "query_head", "shared")   # page-set rows: H_kv, H_q or
 
 
 def quest_scores_ref(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, block_tables: torch.Tensor,
-                     context_lens: torch.Tensor, page_size: int, selection: str) -> torch.Tensor:
-    """q: [B, H_q, D]; kmin, kmax: [num_pages, H_kv, D]; block_tables: [B, N]; context_lens: [B]
+                     cache_lens: torch.Tensor, page_size: int, selection: str) -> torch.Tensor:
+    """q: [B, H_q, D]; kmin, kmax: [num_pages, H_kv, D]; block_tables: [B, N]; cache_lens: [B]
     -> fp32 scores [B, G, N], G = H_kv / H_q / 1 for selection kv_head / query_head / shared;
     -inf at and after each row's current page."""
     B, Hq, D = q.shape
@@ -123,7 +123,7 @@ def quest_scores_ref(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, bl
         scores = (hi * pos.unsqueeze(1) + lo * neg.unsqueeze(1)).sum(-1).transpose(1, 2)   # [B, H_kv, N]
         if selection == "shared":
             scores = scores.sum(1, keepdim=True)
-    current = (context_lens.long() - 1) // page_size
+    current = (cache_lens.long() - 1) // page_size
     candidate = torch.arange(N, device=q.device).view(1, 1, N) < current.view(B, 1, 1)
     return scores.masked_fill(~candidate, float("-inf")).contiguous()
 
@@ -182,20 +182,20 @@ def _quest_scores_kernel(q_ptr, kmin_ptr, kmax_ptr, table_ptr, len_ptr, out_ptr,
 
 
 def quest_scores_triton(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, block_tables: torch.Tensor,
-                        context_lens: torch.Tensor, page_size: int, selection: str) -> torch.Tensor:
+                        cache_lens: torch.Tensor, page_size: int, selection: str) -> torch.Tensor:
     """Same contract as quest_scores_ref; one program per (request, KV head or all, block of pages)."""
     B, Hq, D = q.shape
     Hkv = kmin.shape[1]
     N = block_tables.shape[1]
     assert Hq % Hkv == 0 and kmin.shape == kmax.shape and kmin.shape[2] == D
     assert q.stride(-1) == 1 and kmin.stride(-1) == 1 and kmax.stride(-1) == 1
-    assert block_tables.stride(-1) == 1 and context_lens.shape == (B,) and context_lens.stride(0) == 1
+    assert block_tables.stride(-1) == 1 and cache_lens.shape == (B,) and cache_lens.stride(0) == 1
     G = {"kv_head": Hkv, "query_head": Hq, "shared": 1}[selection]
     shared = selection == "shared"
     out = torch.empty(B, G, N, dtype=torch.float32, device=q.device)
     grid = (B, 1 if shared else Hkv, -(-N // BLOCK_PAGES))
     _quest_scores_kernel[grid](
-        q, kmin, kmax, block_tables, context_lens, out,
+        q, kmin, kmax, block_tables, cache_lens, out,
         q.stride(0), q.stride(1), kmin.stride(0), kmin.stride(1), kmax.stride(0), kmax.stride(1),
         block_tables.stride(0), out.stride(0), out.stride(1), N,
         GROUP=Hq // Hkv, KV_PER_PROG=Hkv if shared else 1, PER_QUERY=selection == "query_head",
@@ -203,18 +203,18 @@ def quest_scores_triton(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
     return out
 
 
-def quest_scores(q, kmin, kmax, block_tables, context_lens, page_size, selection):
+def quest_scores(q, kmin, kmax, block_tables, cache_lens, page_size, selection):
     if use_triton(q):
-        return quest_scores_triton(q, kmin, kmax, block_tables, context_lens, page_size, selection)
-    return quest_scores_ref(q, kmin, kmax, block_tables, context_lens, page_size, selection)
+        return quest_scores_triton(q, kmin, kmax, block_tables, cache_lens, page_size, selection)
+    return quest_scores_ref(q, kmin, kmax, block_tables, cache_lens, page_size, selection)
 
 
 # ---------------------------------------------------------------- page selection
 
-def select_pages_ref(scores: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
+def select_pages_ref(scores: torch.Tensor, block_tables: torch.Tensor, cache_lens: torch.Tensor,
                      page_size: int, budget_pages: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Quest's decode view from page scores. scores: [B, G, N] fp32 (-inf where not a candidate),
-    block_tables: [B, N] with N > budget_pages, context_lens: [B] -> (table [B, G, n] int32,
+    block_tables: [B, N] with N > budget_pages, cache_lens: [B] -> (table [B, G, n] int32,
     lengths [B, G] int32).
 
     Row (b, g) gets its top n - 1 scored pages in logical order, then the current page; a row of
@@ -223,7 +223,7 @@ def select_pages_ref(scores: torch.Tensor, block_tables: torch.Tensor, context_l
     """
     B, G, N = scores.shape
     n, P = budget_pages, page_size
-    ctx = context_lens.long()
+    ctx = cache_lens.long()
     current = (ctx - 1) // P
     # A row with more than n pages has at least n candidates, so the top n - 1 are all real pages.
     top = scores.topk(n - 1, dim=-1, sorted=False).indices.sort(dim=-1).values
@@ -278,24 +278,24 @@ def _select_pages_kernel(score_ptr, table_ptr, len_ptr, out_ptr, out_len_ptr,
     tl.store(out_len_ptr + b * G + g, ctx - (current - k) * P)
 
 
-def select_pages_triton(scores: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
+def select_pages_triton(scores: torch.Tensor, block_tables: torch.Tensor, cache_lens: torch.Tensor,
                         page_size: int, budget_pages: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as select_pages_ref; one program per (request, page set)."""
     B, G, N = scores.shape
     assert scores.dtype == torch.float32 and scores.stride(-1) == 1 and block_tables.shape == (B, N)
-    assert block_tables.stride(-1) == 1 and context_lens.shape == (B,) and N > budget_pages >= 2
+    assert block_tables.stride(-1) == 1 and cache_lens.shape == (B,) and N > budget_pages >= 2
     table = torch.empty(B, G, budget_pages, dtype=torch.int32, device=scores.device)
     lengths = torch.empty(B, G, dtype=torch.int32, device=scores.device)
     block_n = pow2(N)
     _select_pages_kernel[(B, G)](
-        scores, block_tables, context_lens.to(torch.int32), table, lengths,
+        scores, block_tables, cache_lens.to(torch.int32), table, lengths,
         scores.stride(0), scores.stride(1), block_tables.stride(0), table.stride(0), table.stride(1), N, G,
         P=int(page_size), NUM_PAGES=int(budget_pages), BLOCK_N=block_n, BLOCK_K=pow2(budget_pages),
         num_warps=max(4, min(8, block_n // 1024)))   # 8 measured best at N = 8K
     return table, lengths
 
 
-def select_pages(scores, block_tables, context_lens, page_size, budget_pages):
+def select_pages(scores, block_tables, cache_lens, page_size, budget_pages):
     if use_triton(scores):
-        return select_pages_triton(scores, block_tables, context_lens, page_size, budget_pages)
-    return select_pages_ref(scores, block_tables, context_lens, page_size, budget_pages)
+        return select_pages_triton(scores, block_tables, cache_lens, page_size, budget_pages)
+    return select_pages_ref(scores, block_tables, cache_lens, page_size, budget_pages)

@@ -1,7 +1,8 @@
 """The generic attention layer: the same code for every sparse method.
 
-project (model) -> RoPE (model) -> store_kv -> on_kv_stored -> prefill (observe_prefill_queries, then
-attention over prefill_view), or decode over build_decode_view. Method behaviour enters only through those cache-manager hooks.
+project (model) -> store_kv (RoPE + the cache write) -> on_kv_stored -> prefill
+(observe_prefill_queries, then attention over prefill_view), or decode over build_decode_view.
+Method behaviour enters only through those cache-manager hooks.
 """
 import torch
 from torch import nn
@@ -9,27 +10,30 @@ from torch import nn
 from sparsevllm.forward_context import get_forward_context
 from sparsevllm.kernels.decode_attention import decode_attention
 from sparsevllm.kernels.prefill_attention import prefill_attention
+from sparsevllm.layers.rotary_embedding import RotaryEmbedding
 
 
 class Attention(nn.Module):
-    def __init__(self, layer_id: int, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
+    def __init__(self, layer_id: int, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                 rope: RotaryEmbedding):
         super().__init__()
         self.layer_id = layer_id
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = scale
+        self.rope = rope
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q: [T, H_q, D], k/v: [T, H_kv, D] after RoPE -> [T, H_q, D]."""
+        """q: [T, H_q, D], k/v: [T, H_kv, D] before RoPE -> [T, H_q, D]."""
         ctx = get_forward_context()
         step, cm = ctx.step, ctx.cache_manager
-        cm.store_kv(self.layer_id, k, v, step)
+        q, k = cm.store_kv(self.layer_id, q, k, v, self.rope.cos_sin_cache, step)
         cm.on_kv_stored(self.layer_id, k, v, step)
         if step.is_prefill:
             cm.observe_prefill_queries(self.layer_id, q, step)
             view = cm.prefill_view(self.layer_id, step)
             return prefill_attention(q, k, v, view.k_cache, view.v_cache, view.block_tables, step.cu_seqlens_q,
-                                     view.context_lens, step.max_seqlen_q, step.has_prefix, view.page_size,
-                                     self.scale)
+                                     view.cache_lens, step.max_seqlen_q, step.has_prefix, view.page_size,
+                                     self.scale, step.num_tokens)
         view = cm.build_decode_view(self.layer_id, q, step)
         return decode_attention(q, view.k_cache, view.v_cache, view.table, view.lengths, view.page_size,
                                 self.scale)

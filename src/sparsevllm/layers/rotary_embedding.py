@@ -1,10 +1,9 @@
-"""RoPE with the cos/sin table precomputed for every position (default and llama3 scaling)."""
+"""RoPE's cos/sin table, precomputed for every position (default, linear and llama3 scaling). The
+rotation itself runs in the attention layer, fused with the KV-cache write (kernels/rope_store.py)."""
 import math
 
 import torch
 from torch import nn
-
-from sparsevllm.kernels.rotary import apply_rope
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
@@ -37,6 +36,3 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
         # Columns [cos | sin], each head_dim / 2 wide; fp32 whatever the model dtype, like HF.
         self.register_buffer("cos_sin_cache", torch.cat([freqs.cos(), freqs.sin()], dim=-1), persistent=False)
-
-    def forward(self, positions, q, k):
-        return apply_rope(q, k, positions, self.cos_sin_cache)

@@ -2,26 +2,28 @@
 
 Sampling uses the exponential race (argmax of p / E with E ~ Exp(1)), which draws from p exactly
 and lets each seeded request take its noise from its own generator, so its samples do not depend on
-which other requests share the batch.
+which other requests share the batch. Nothing here waits for the device: per-request parameters
+cross in non-blocking copies from pinned memory, so the host can build the next step meanwhile.
 """
 import torch
 
+from sparsevllm.engine.staging import to_device
 from sparsevllm.sampling_params import SamplingParams
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams],
            generators: list[torch.Generator | None], default_generator: torch.Generator) -> torch.Tensor:
-    """logits: [B, V] fp32 -> token ids [B] int64."""
+    """logits: [B, V] fp32 -> token ids [B] int64, on logits' device."""
     greedy = logits.argmax(dim=-1)
     if all(p.greedy for p in params):
         return greedy
     dev = logits.device
-    temps = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], device=dev)
+    temps = to_device([p.temperature if not p.greedy else 1.0 for p in params], dev, torch.float32)
     logits = logits / temps.unsqueeze(1)
     top_k = [p.top_k for p in params]
     if any(k > 0 for k in top_k):
         vocab = logits.shape[1]
-        ks = torch.tensor([min(k, vocab) if k > 0 else vocab for k in top_k], device=dev)
+        ks = to_device([min(k, vocab) if k > 0 else vocab for k in top_k], dev)
         kth = logits.sort(dim=-1, descending=True).values.gather(1, (ks - 1).unsqueeze(1))
         logits = logits.masked_fill(logits < kth, float("-inf"))
     top_p = [p.top_p for p in params]
@@ -29,7 +31,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         probs = sorted_logits.softmax(dim=-1)
         # Drop a token when the mass strictly before it already reaches top_p (the first always stays).
-        drop = (probs.cumsum(dim=-1) - probs) >= torch.tensor(top_p, device=dev).unsqueeze(1)
+        drop = (probs.cumsum(dim=-1) - probs) >= to_device(top_p, dev, torch.float32).unsqueeze(1)
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
     probs = logits.softmax(dim=-1)
@@ -37,5 +39,5 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
     for i, g in enumerate(generators):
         noise[i].exponential_(generator=g if g is not None else default_generator)
     sampled = (probs / noise).argmax(dim=-1)
-    is_greedy = torch.tensor([p.greedy for p in params], device=dev)
+    is_greedy = to_device([p.greedy for p in params], dev, torch.bool)
     return torch.where(is_greedy, greedy, sampled)

@@ -32,10 +32,12 @@ import numpy as np
 import torch
 
 from sparsevllm.config import EngineConfig, MethodConfig
-from sparsevllm.engine.cache_manager.base import CacheManager, DecodeView, StepState
+from sparsevllm.engine.cache_manager.base import CacheManager
 from sparsevllm.engine.sequence import Sequence
+from sparsevllm.engine.staging import to_device
+from sparsevllm.engine.step import DecodeView, StepState
 from sparsevllm.kernels.quest import SELECTIONS, page_minmax, quest_scores, select_pages
-from sparsevllm.method_registry import register_method
+from sparsevllm.kernels.rope_store import rope_store
 
 
 @dataclass
@@ -70,17 +72,17 @@ class QuestConfig(MethodConfig):
                              + " | ".join(SELECTIONS))
 
 
-@register_method("quest")
 class QuestCacheManager(CacheManager):
+    method_name = "quest"
     config_cls = QuestConfig
 
     def __init__(self, config: EngineConfig, num_layers: int, num_kv_heads: int, head_dim: int,
                  num_pages: int, dtype: torch.dtype, device: torch.device):
         super().__init__(config, num_layers, num_kv_heads, head_dim, num_pages, dtype, device)
-        mc = self.method_config
-        self.skip_layers = min(mc.quest_skip_layers, num_layers)
-        self.budget_pages = max(3, mc.quest_token_budget // self.page_size)
-        self.selection = mc.quest_selection
+        knobs = self.method_config
+        self.skip_layers = min(knobs.quest_skip_layers, num_layers)
+        self.budget_pages = max(3, knobs.quest_token_budget // self.page_size)
+        self.selection = knobs.quest_selection
         # Indexed [layer, physical page, KV head, channel]; min/max of stored values are exact in
         # the model dtype. (A head-major layout, for longer contiguous reads when scoring, was
         # measured on the H200 at 128K x 4: no change, 1.44 ms a step either way.)
@@ -94,13 +96,24 @@ class QuestCacheManager(CacheManager):
         meta = 2 * sparse_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
         return super().bytes_per_page(config, num_layers, num_kv_heads, head_dim, dtype) + meta
 
+    @classmethod
+    def decode_kv_tokens_read(cls, config: EngineConfig, num_layers: int, prompt_len: int, cache_len: int) -> float:
+        """The first quest_skip_layers layers read everything; the others read the page bounds (a min
+        and a max key per page: cache_len / P token-equivalents of K + V) plus the budget."""
+        knobs = config.method_config
+        skip = min(knobs.quest_skip_layers, num_layers)
+        budget = max(3, knobs.quest_token_budget // config.page_size) * config.page_size
+        sparse = min(budget, cache_len) + cache_len / config.page_size
+        return (skip * cache_len + (num_layers - skip) * sparse) / num_layers
+
     def memory_accounting(self) -> dict:
         acc = super().memory_accounting()
         acc["metadata_bytes"] = self.kmin.nbytes + self.kmax.nbytes
         return acc
 
-    def prepare_step(self, seqs: list[Sequence], num_tokens: list[int], is_prefill: bool) -> StepState:
-        step = super().prepare_step(seqs, num_tokens, is_prefill)
+    def prepare_step(self, seqs: list[Sequence], num_tokens: list[int], is_prefill: bool,
+                     feed_rows: list[int] | None = None) -> StepState:
+        step = super().prepare_step(seqs, num_tokens, is_prefill, feed_rows)
         if is_prefill:
             step.extras["quest_last_slots"] = self._last_slots(seqs, num_tokens)
         return step
@@ -112,26 +125,36 @@ class QuestCacheManager(CacheManager):
             start, end = seq.cache_len, seq.cache_len + n
             pages = np.arange(start // P, (end - 1) // P + 1)
             last_pos = np.minimum((pages + 1) * P, end) - 1
-            out.append(self._table_arrays[seq.seq_id][pages].astype(np.int64) * P + last_pos % P)
-        return torch.from_numpy(np.concatenate(out)).to(self.device)
+            out.append(self.tables.arrays[seq.seq_id][pages].astype(np.int64) * P + last_pos % P)
+        return to_device(np.concatenate(out), self.device)
+
+    def store_kv(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 cos_sin_cache: torch.Tensor, step: StepState) -> tuple[torch.Tensor, torch.Tensor]:
+        if layer_id < self.skip_layers or step.is_prefill:
+            return super().store_kv(layer_id, q, k, v, cos_sin_cache, step)
+        # Decode writes one token per request into a page no other request writes: the write
+        # itself folds the new key into its page's min/max (the page's first slot resets them).
+        i = layer_id - self.skip_layers
+        k_cache, v_cache = self.pool.layer(layer_id)
+        return rope_store(q, k, v, step.positions, cos_sin_cache, k_cache, v_cache, step.slot_mapping,
+                          self.kmin[i], self.kmax[i], self.page_size)
 
     def on_kv_stored(self, layer_id: int, k: torch.Tensor, v: torch.Tensor, step: StepState) -> None:
-        if layer_id < self.skip_layers:
+        if layer_id < self.skip_layers or not step.is_prefill:
             return
-        # Decode writes one token per request, so its slot names the page and the valid count
-        # (padding rows hold -1); prefill names its touched pages through prepare_step.
-        last = step.extras["quest_last_slots"] if step.is_prefill else step.slot_mapping
+        # A prefill chunk may write many tokens into one page: recompute each page it touched.
         i = layer_id - self.skip_layers
-        page_minmax(self.pool.layer(layer_id)[0], last, self.kmin[i], self.kmax[i], self.page_size)
+        page_minmax(self.pool.layer(layer_id)[0], step.extras["quest_last_slots"], self.kmin[i], self.kmax[i],
+                    self.page_size)
 
     def build_decode_view(self, layer_id: int, q: torch.Tensor, step: StepState) -> DecodeView:
         # A static-shape branch: in CUDA graphs the table width is max_model_len / P.
         if layer_id < self.skip_layers or step.block_tables.shape[1] <= self.budget_pages:
             return super().build_decode_view(layer_id, q, step)
         i = layer_id - self.skip_layers
-        scores = quest_scores(q, self.kmin[i], self.kmax[i], step.block_tables, step.context_lens,
+        scores = quest_scores(q, self.kmin[i], self.kmax[i], step.block_tables, step.cache_lens,
                               self.page_size, self.selection)
-        table, lengths = select_pages(scores, step.block_tables, step.context_lens, self.page_size,
+        table, lengths = select_pages(scores, step.block_tables, step.cache_lens, self.page_size,
                                       self.budget_pages)
         k_cache, v_cache = self.pool.layer(layer_id)
         return DecodeView(k_cache, v_cache, table, lengths, self.page_size)

@@ -48,10 +48,11 @@ from dataclasses import dataclass, field
 import torch
 
 from sparsevllm.config import EngineConfig, MethodConfig
-from sparsevllm.engine.cache_manager.base import CacheManager, StepState
+from sparsevllm.engine.cache_manager.base import CacheManager
 from sparsevllm.engine.sequence import Sequence
+from sparsevllm.engine.staging import to_device
+from sparsevllm.engine.step import StepState
 from sparsevllm.kernels.snapkv import select_kept, window_scores
-from sparsevllm.method_registry import register_method
 
 logger = logging.getLogger(__name__)
 
@@ -97,16 +98,16 @@ class _Compaction:
     kept: list[torch.Tensor] = field(default_factory=list)   # per layer [H_kv, C] int64
 
 
-@register_method("snapkv")
 class SnapKVCacheManager(CacheManager):
+    method_name = "snapkv"
     config_cls = SnapKVConfig
 
     def __init__(self, config: EngineConfig, num_layers: int, num_kv_heads: int, head_dim: int,
                  num_pages: int, dtype: torch.dtype, device: torch.device):
         super().__init__(config, num_layers, num_kv_heads, head_dim, num_pages, dtype, device)
-        mc = self.method_config
-        self.capacity, self.window = mc.snapkv_capacity, mc.snapkv_window_size
-        self.kernel_size, self.pooling = mc.snapkv_kernel_size, mc.snapkv_pooling
+        knobs = self.method_config
+        self.capacity, self.window = knobs.snapkv_capacity, knobs.snapkv_window_size
+        self.kernel_size, self.pooling = knobs.snapkv_kernel_size, knobs.snapkv_pooling
         self.scale = head_dim ** -0.5
         self._pending: list[_Compaction] = []
         self._pending_step: StepState | None = None
@@ -114,6 +115,15 @@ class SnapKVCacheManager(CacheManager):
         self._evicted: dict[int, int] = {}      # live request -> tokens it evicted
         self.num_compactions = 0
         self.evicted_tokens_total = 0
+
+    @classmethod
+    def decode_kv_tokens_read(cls, config: EngineConfig, num_layers: int, prompt_len: int, cache_len: int) -> float:
+        """After prefill a request keeps snapkv_capacity prompt tokens; decode tokens append."""
+        return min(prompt_len, config.method_config.snapkv_capacity) + (cache_len - prompt_len)
+
+    @classmethod
+    def kv_tokens_held(cls, config: EngineConfig, prompt_len: int, output_len: int) -> int | None:
+        return None   # the peak depends on when eviction runs relative to the other requests' prefill
 
     def _evicts(self, seq: Sequence) -> bool:
         return seq.num_prompt_tokens > self.capacity
@@ -132,8 +142,8 @@ class SnapKVCacheManager(CacheManager):
             n = 0                      # the window does not fit this step's budget: wait
         return n
 
-    def _cached_prefix(self, seq: Sequence) -> list[int]:
-        pages = super()._cached_prefix(seq)
+    def cached_prefix(self, seq: Sequence) -> list[int]:
+        pages = super().cached_prefix(seq)
         if self._evicts(seq):
             # Hits may not reach into the window: its queries are needed to score the prompt.
             pages = pages[:(seq.num_prompt_tokens - self.window) // self.page_size]
@@ -160,8 +170,9 @@ class SnapKVCacheManager(CacheManager):
         return acc
 
     # ---- per step --------------------------------------------------------------------------------
-    def prepare_step(self, seqs: list[Sequence], num_tokens: list[int], is_prefill: bool) -> StepState:
-        step = super().prepare_step(seqs, num_tokens, is_prefill)
+    def prepare_step(self, seqs: list[Sequence], num_tokens: list[int], is_prefill: bool,
+                     feed_rows: list[int] | None = None) -> StepState:
+        step = super().prepare_step(seqs, num_tokens, is_prefill, feed_rows)
         self._pending, self._pending_step = [], step
         if is_prefill:
             row_end = 0
@@ -198,7 +209,7 @@ class SnapKVCacheManager(CacheManager):
         """kept: [num_layers, H_kv, C] ascending prompt positions. Move them to fresh pages, release the
         prompt's pages, point the request at the new ones; cache_len = C, the logical length is untouched."""
         L, C, P = seq.num_prompt_tokens, kept.shape[-1], self.page_size
-        old = self.block_tables[seq.seq_id]
+        old = self.tables[seq.seq_id]
         need = self.pages_for(C)
         releasable = sum(1 for p in old if self.allocator.refcount[p] == 1)
         if self.allocator.num_free + releasable < need:
@@ -206,16 +217,16 @@ class SnapKVCacheManager(CacheManager):
             logger.warning("request %d: no pages to compact its %d-token prompt into; it keeps its full cache",
                            seq.seq_id, L)
             return
-        self.name_full_pages(seq, seq.cache_len, L)  # a later equal prompt can reuse them
+        self.tables.name_full_pages(seq, L)  # a later equal prompt can reuse them
         dev = self.device
-        old_t = torch.tensor(old, dtype=torch.int64, device=dev)
+        old_t = to_device(old, dev)
         src = (old_t[kept // P] * P + kept % P).transpose(1, 2)            # [layers, C, H_kv] old slots
         heads = torch.arange(self.num_kv_heads, device=dev)
         pos = torch.arange(C, device=dev)
         if self.allocator.num_free >= need:
             # Fresh pages first: old and new slots are disjoint, so copy layer by layer (small temporaries).
             new = [self.allocator.allocate() for _ in range(need)]
-            dst = (torch.tensor(new, dtype=torch.int64, device=dev)[pos // P] * P + pos % P)[:, None]
+            dst = (to_device(new, dev)[pos // P] * P + pos % P)[:, None]
             for layer in range(self.num_layers):
                 k, v = self.pool.layer(layer)
                 k[dst, heads] = k[src[layer], heads]
@@ -229,13 +240,10 @@ class SnapKVCacheManager(CacheManager):
             for page in reversed(old):
                 self.allocator.release(page)
             new = [self.allocator.allocate() for _ in range(need)]
-            dst = (torch.tensor(new, dtype=torch.int64, device=dev)[pos // P] * P + pos % P)[None, :, None]
+            dst = (to_device(new, dev)[pos // P] * P + pos % P)[None, :, None]
             self.pool.k[layers, dst, heads] = k_kept
             self.pool.v[layers, dst, heads] = v_kept
-        self.block_tables[seq.seq_id] = new
-        arr = self._table_arrays[seq.seq_id]
-        arr[:len(old)] = 0
-        arr[:need] = new
+        self.tables.replace(seq, new)
         seq.cache_len = C
         self._compacted_now.add(seq.seq_id)
         self._evicted[seq.seq_id] = L - C

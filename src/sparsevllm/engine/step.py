@@ -1,0 +1,59 @@
+"""The per-step types: what one forward step reads (StepState) and what one attention reads
+(PrefillView, DecodeView). The cache manager builds them; the model runner, the attention layer
+and the controller pass them on."""
+from dataclasses import dataclass, field
+
+import torch
+
+from sparsevllm.engine.sequence import Sequence
+
+
+@dataclass
+class DecodeView:
+    """What one decode attention reads: row (b, g) covers pages table[b, g, :ceil(len / P)] of
+    k_cache / v_cache. G = 1 (shared by all KV heads), H_kv (one set per KV head) or H_q (one set
+    per query head: a GQA group's query heads then read their KV head's pages separately)."""
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    table: torch.Tensor      # [B, G, N] int32
+    lengths: torch.Tensor    # [B, G] int32
+    page_size: int
+
+
+@dataclass
+class PrefillView:
+    """What prefill attention reads: the chunk's queries attend to keys [0, cache_lens[i]) of
+    request i through its block table (prefix + the chunk itself, already stored)."""
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    block_tables: torch.Tensor   # [B, N] int32
+    cache_lens: torch.Tensor     # [B] int32
+    page_size: int
+
+
+@dataclass
+class StepState:
+    """Everything one forward step needs, built once by `prepare_step` and passed down."""
+    is_prefill: bool
+    seqs: list[Sequence]
+    num_tokens: list[int]            # new tokens per request this step
+    sampled: list[int]               # requests (batch rows) whose last token's logits are sampled
+    input_ids: torch.Tensor          # [T]; a token still being sampled is 0 here until `feed` fills it
+    positions: torch.Tensor          # [T] logical (RoPE) positions
+    slot_mapping: torch.Tensor       # [T] pool slot of each new token, -1 = write nowhere
+    block_tables: torch.Tensor       # [B, N] int32, padded with 0
+    cache_lens: torch.Tensor         # [B] int32: cache length after this step's tokens are stored
+    cu_seqlens_q: torch.Tensor       # [B+1] int32 (prefill)
+    max_seqlen_q: int = 1
+    has_prefix: bool = False         # prefill: some chunk attends to earlier stored tokens
+    logits_indices: torch.Tensor | None = None   # [len(sampled)] token rows of the sampled requests
+    # Decode under overlapped scheduling: row i's input token is the previous step's sampled token
+    # feed_rows[i] (-1: input_ids[i] is already right). None when no input waits on the device.
+    feed_rows: torch.Tensor | None = None
+    # Method-owned per-step tensors (e.g. selection buffers). The model runner copies them into
+    # static CUDA-graph buffers like every other tensor field.
+    extras: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.seqs)

@@ -1,0 +1,146 @@
+"""RoPE and the KV-cache write in one kernel (neox / HF rotate_half layout).
+
+Every token's q and k are rotated to its position and its k (after RoPE) and v are written to
+the pool slot its slot_mapping names (-1: padding, written nowhere). One program per token reads
+the token's cos/sin row once and does all of it: a separate RoPE launch and store launch per layer
+cost more than their arithmetic on the decode path.
+
+Optionally (kmin/kmax given) the write also keeps per-page key bounds (Quest): the page of the slot
+gets the channel-wise min/max of its keys, reset by the page's first slot. This is exact only when
+no two tokens of the step write the same page, which holds in decode (one token per request,
+requests never share a page they write); prefill chunks recompute their pages instead.
+"""
+import torch
+
+from sparsevllm.kernels.common import jit, pow2, tl, use_triton
+
+
+def rope_store_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                   cos_sin_cache: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   slot_mapping: torch.Tensor, kmin: torch.Tensor | None = None,
+                   kmax: torch.Tensor | None = None, page_size: int = 1):
+    """q: [T, H_q, D], k, v: [T, H_kv, D] (before RoPE); positions, slot_mapping: [T] int;
+    cos_sin_cache: [max_pos, D] fp32 (first D/2 columns cos, last D/2 sin); k_cache, v_cache:
+    [num_slots, H_kv, D]; kmin, kmax: [num_pages, H_kv, D] or None. Returns (q, k) after RoPE."""
+    cos, sin = cos_sin_cache[positions.long()].unsqueeze(1).chunk(2, dim=-1)
+
+    def rotate(x):
+        x1, x2 = x.float().chunk(2, dim=-1)
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+    q, k = rotate(q), rotate(k)
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep].long()
+    new_k = k[keep].to(k_cache.dtype)
+    k_cache[slots] = new_k
+    v_cache[slots] = v[keep].to(v_cache.dtype)
+    if kmin is not None:
+        pages, first = slots // page_size, (slots % page_size == 0).view(-1, 1, 1)
+        kmin[pages] = torch.where(first, new_k, torch.minimum(kmin[pages], new_k)).to(kmin.dtype)
+        kmax[pages] = torch.where(first, new_k, torch.maximum(kmax[pages], new_k)).to(kmax.dtype)
+    return q, k
+
+
+@jit
+def _rotate_halves(x_ptr, t, stride_t, stride_h, cos, sin,
+                   H: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    heads = tl.arange(0, BLOCK_H)[:, None]
+    cols = tl.arange(0, BLOCK_HALF)[None, :]
+    mask = (heads < H) & (cols < HALF)
+    src = x_ptr + t * stride_t + heads * stride_h + cols
+    x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
+    return x1 * cos - x2 * sin, x2 * cos + x1 * sin, heads, cols, mask
+
+
+@jit
+def _rope_store_kernel(q_ptr, k_ptr, v_ptr, qo_ptr, ko_ptr, pos_ptr, cache_ptr, slot_ptr,
+                       kc_ptr, vc_ptr, kmin_ptr, kmax_ptr,
+                       stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+                       stride_qot, stride_qoh, stride_kot, stride_koh, stride_c,
+                       stride_kcs, stride_kch, stride_vcs, stride_vch, stride_mp, stride_mh,
+                       HQ: tl.constexpr, HK: tl.constexpr, HALF: tl.constexpr, P: tl.constexpr,
+                       BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr,
+                       BOUNDS: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    cols = tl.arange(0, BLOCK_HALF)[None, :]
+    cmask = cols < HALF
+    cos = tl.load(cache_ptr + pos * stride_c + cols, mask=cmask, other=0.0).to(tl.float32)
+    sin = tl.load(cache_ptr + pos * stride_c + HALF + cols, mask=cmask, other=0.0).to(tl.float32)
+
+    lo, hi, heads, cols, mask = _rotate_halves(q_ptr, t, stride_qt, stride_qh, cos, sin, HQ, HALF, BLOCK_HQ, BLOCK_HALF)
+    dst = qo_ptr + t * stride_qot + heads * stride_qoh + cols
+    tl.store(dst, lo.to(qo_ptr.dtype.element_ty), mask=mask)
+    tl.store(dst + HALF, hi.to(qo_ptr.dtype.element_ty), mask=mask)
+
+    lo, hi, heads, cols, mask = _rotate_halves(k_ptr, t, stride_kt, stride_kh, cos, sin, HK, HALF, BLOCK_HK, BLOCK_HALF)
+    dst = ko_ptr + t * stride_kot + heads * stride_koh + cols
+    tl.store(dst, lo.to(ko_ptr.dtype.element_ty), mask=mask)
+    tl.store(dst + HALF, hi.to(ko_ptr.dtype.element_ty), mask=mask)
+
+    slot = tl.load(slot_ptr + t).to(tl.int64)   # int64: slot * stride overflows int32 on big pools
+    if slot >= 0:
+        lo = lo.to(kc_ptr.dtype.element_ty)
+        hi = hi.to(kc_ptr.dtype.element_ty)
+        dst = kc_ptr + slot * stride_kcs + heads * stride_kch + cols
+        tl.store(dst, lo, mask=mask)
+        tl.store(dst + HALF, hi, mask=mask)
+        vsrc = v_ptr + t * stride_vt + heads * stride_vh + cols
+        vdst = vc_ptr + slot * stride_vcs + heads * stride_vch + cols
+        tl.store(vdst, tl.load(vsrc, mask=mask, other=0.0).to(vc_ptr.dtype.element_ty), mask=mask)
+        tl.store(vdst + HALF, tl.load(vsrc + HALF, mask=mask, other=0.0).to(vc_ptr.dtype.element_ty), mask=mask)
+        if BOUNDS:
+            page = slot // P
+            first = slot % P == 0
+            mn = kmin_ptr + page * stride_mp + heads * stride_mh + cols
+            mx = kmax_ptr + page * stride_mp + heads * stride_mh + cols
+            lo_b = lo.to(kmin_ptr.dtype.element_ty)
+            hi_b = hi.to(kmin_ptr.dtype.element_ty)
+            if first:
+                tl.store(mn, lo_b, mask=mask)
+                tl.store(mn + HALF, hi_b, mask=mask)
+                tl.store(mx, lo_b, mask=mask)
+                tl.store(mx + HALF, hi_b, mask=mask)
+            else:
+                tl.store(mn, tl.minimum(tl.load(mn, mask=mask, other=0.0), lo_b), mask=mask)
+                tl.store(mn + HALF, tl.minimum(tl.load(mn + HALF, mask=mask, other=0.0), hi_b), mask=mask)
+                tl.store(mx, tl.maximum(tl.load(mx, mask=mask, other=0.0), lo_b), mask=mask)
+                tl.store(mx + HALF, tl.maximum(tl.load(mx + HALF, mask=mask, other=0.0), hi_b), mask=mask)
+
+
+def rope_store_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                      cos_sin_cache: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      slot_mapping: torch.Tensor, kmin: torch.Tensor | None = None,
+                      kmax: torch.Tensor | None = None, page_size: int = 1):
+    """Same contract as rope_store_ref."""
+    T, HQ, D = q.shape
+    HK = k.shape[1]
+    for x in (q, k, v, k_cache, v_cache, cos_sin_cache):
+        assert x.stride(-1) == 1
+    assert D % 2 == 0 and cos_sin_cache.shape[-1] == D and slot_mapping.shape == (T,)
+    bounds = kmin is not None
+    if bounds:
+        assert kmax is not None and kmin.shape == kmax.shape and kmin.stride() == kmax.stride()
+        assert kmin.shape[1:] == (HK, D) and kmin.dtype == k_cache.dtype
+    q_out, k_out = torch.empty_like(q), torch.empty_like(k)
+    if T:
+        mn, mx = (kmin, kmax) if bounds else (k_cache, k_cache)   # unused without bounds
+        _rope_store_kernel[(T,)](
+            q, k, v, q_out, k_out, positions, cos_sin_cache, slot_mapping, k_cache, v_cache, mn, mx,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1), cos_sin_cache.stride(0),
+            k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+            mn.stride(0), mn.stride(1),
+            HQ=HQ, HK=HK, HALF=D // 2, P=int(page_size), BLOCK_HQ=pow2(HQ), BLOCK_HK=pow2(HK),
+            BLOCK_HALF=pow2(D // 2), BOUNDS=bounds, num_warps=4)
+    return q_out, k_out
+
+
+def rope_store(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, kmin=None, kmax=None,
+               page_size=1):
+    if use_triton(q):
+        return rope_store_triton(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping,
+                                 kmin, kmax, page_size)
+    return rope_store_ref(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, kmin, kmax,
+                          page_size)
