@@ -12,9 +12,21 @@ def test_unknown_method_lists_registered_ones():
         make_config(None, "qeust")
 
 
-def test_sparse_method_alias():
+def test_sparse_method_alias(tiny_model):
     assert make_config(None, sparse_method="vanilla").vllm_sparse_method == "vanilla"
-    assert "vanilla" in available_methods()
+    assert make_config(None, sparse_method="quest").vllm_sparse_method == "quest"
+    assert make_config(None, sparse_method="quest", quest_token_budget=64).method_config.quest_token_budget == 64
+    assert make_config(None).vllm_sparse_method == "vanilla"
+    llm = LLM(tiny_model("llama"), sparse_method="snapkv", device="cpu")
+    assert llm.config.vllm_sparse_method == "snapkv" and llm.engine.cache_manager.method_name == "snapkv"
+    assert {"vanilla", "quest", "snapkv"} <= set(available_methods())
+
+
+@pytest.mark.parametrize("method,alias", [("vanilla", "quest"), ("quest", "snapkv")])
+def test_contradicting_method_and_alias_is_an_error(method, alias):
+    with pytest.raises(ValueError, match=f"vllm_sparse_method='{method}' and its alias sparse_method='{alias}'"):
+        LLM(vllm_sparse_method=method, sparse_method=alias)
+    assert make_config(None, method, sparse_method=method).vllm_sparse_method == method   # agreeing is fine
 
 
 def test_unknown_knob_suggests_closest():
@@ -28,6 +40,7 @@ def test_unknown_knob_suggests_closest():
     ("gpu_memory_utilization", 1.5, "gpu_memory_utilization"),
     ("max_num_seqs", 0, "max_num_seqs=0"),
     ("tensor_parallel_size", 2, "tensor_parallel_size"),
+    ("async_scheduling", "on", "async_scheduling='on' is invalid; valid: None"),
 ])
 def test_invalid_engine_knob_values(knob, value, msg):
     with pytest.raises(ValueError, match=msg):

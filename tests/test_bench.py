@@ -153,6 +153,15 @@ def test_sparse_rooflines_match_the_speedups_benchmarks_md_allows():
     assert bench_sparse_vllm.kv_tokens_held(plan, "quest", 1000, 10) == 1010
 
 
+def test_vary_output_spreads_output_lengths_over_the_upper_half():
+    case = {"batch": 64, "output_len": 512, "seed": 0}
+    assert bench_case.output_lens(case) == [512] * 64
+    lens = bench_case.output_lens(dict(case, vary_output=True))
+    assert len(lens) == 64 and min(lens) >= 256 and max(lens) <= 512 and len(set(lens)) > 20
+    assert lens == bench_case.output_lens(dict(case, vary_output=True))   # seeded
+    assert "--vary_output" in bench_sparse_vllm.build_parser().format_help()
+
+
 def test_synthetic_prompts_have_exact_length_and_no_special_ids():
     cfg = {"vocab_size": 512, "bos_token_id": 1, "eos_token_id": [2, 150], "pad_token_id": None}
     prompts = bench_case.make_prompts(cfg, batch=3, length=777, seed=0)

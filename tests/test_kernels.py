@@ -105,6 +105,16 @@ def test_decode_attention_triton_per_query_head_rows(P, poison, monkeypatch):
 
 
 @interp
+@pytest.mark.parametrize("G_is_heads", [False, True])
+def test_decode_attention_triton_single_split_writes_the_output_itself(G_is_heads, poison, monkeypatch):
+    monkeypatch.setattr(da, "MIN_SPLIT_TOKENS", 1 << 30)   # one split per row: no merge kernel
+    g = torch.Generator().manual_seed(21)
+    args = decode_case(g, 3, 4, 2, 32, 16, 2 if G_is_heads else 1, 5, torch.float32, "cpu")
+    assert da.num_splits(3, 2, 5, 16, torch.device("cpu")) == 1
+    close(da.decode_attention_triton(*args, 16, 0.2), da.decode_attention_ref(*args, 16, 0.2), torch.float32)
+
+
+@interp
 def test_decode_attention_handles_non_power_of_two_group_and_head_dim(poison):
     g = torch.Generator().manual_seed(7)
     args = decode_case(g, 2, 6, 2, 24, 16, 1, 3, torch.float32, "cpu")

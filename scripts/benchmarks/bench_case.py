@@ -46,6 +46,15 @@ def make_prompts(cfg: dict, batch: int, length: int, seed: int) -> list[list[int
     return out
 
 
+def output_lens(case: dict) -> list[int]:
+    """Per-request output lengths: all output_len, or with vary_output spread uniformly over
+    [output_len / 2, output_len] (seeded), so requests finish at different steps."""
+    if not case.get("vary_output"):
+        return [case["output_len"]] * case["batch"]
+    rng = np.random.default_rng(case["seed"] + 20_000)
+    return [int(n) for n in rng.integers(max(1, case["output_len"] // 2), case["output_len"] + 1, case["batch"])]
+
+
 def timing_metrics(start: float, first_token_times: list[float], finish_times: list[float],
                    token_times: list[list[float]], batch: int, length: int) -> dict:
     """Prefill and TTFT from the first tokens; decode from the stable window, which opens
@@ -172,7 +181,7 @@ def run_engine_case(case: dict) -> dict:
                 f"KV pool too small for this case: {case['batch']} requests x {stored} tokens need {need} pages "
                 f"of {page} tokens, the pool has {accounting['num_pages']} (raise gpu_memory_utilization / "
                 f"num_kv_pages, or lower the batch or length)")
-    sp = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=case["output_len"])
+    out_lens = output_lens(case)
     llm.generate(_warmup_prompts(cfg, case), SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=4),
                  use_tqdm=False)
     peak = _track_peak_accounting(llm)
@@ -180,8 +189,9 @@ def run_engine_case(case: dict) -> dict:
     for r in range(case["repeat"]):
         # fresh prompts each repeat, so the prefix cache cannot turn a repeat's prefill into a lookup
         prompts = make_prompts(cfg, case["batch"], case["length"], seed=case["seed"] + r)
+        params = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=n) for n in out_lens]
         start = time.perf_counter()
-        outs = llm.generate(prompts, sp, use_tqdm=False)
+        outs = llm.generate(prompts, params, use_tqdm=False)
         errors = [o.get("error") for o in outs if o.get("finish_reason") == "error"]
         if errors:
             raise RuntimeError(f"{len(errors)} of {len(outs)} requests failed: {errors[0]}")
@@ -190,7 +200,7 @@ def run_engine_case(case: dict) -> dict:
                                    [m["token_times"] for m in ms], case["batch"], case["length"]))
         decoded.append(sum(len(o["token_ids"]) for o in outs))
     result.update(median_metrics(runs))
-    result.update(decoded_tokens=decoded[-1], expected_decoded_tokens=case["batch"] * case["output_len"],
+    result.update(decoded_tokens=decoded[-1], expected_decoded_tokens=sum(out_lens),
                   memory_accounting=_jsonable(accounting), memory_accounting_peak=peak or None, **_memory(torch))
     return result
 

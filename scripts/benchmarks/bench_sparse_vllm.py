@@ -78,6 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch_sizes", default="1", help="comma-separated batch sizes (requests run at once)")
     p.add_argument("--output_len", type=int, default=256,
                    help="tokens generated per request (>= 256 for a reported figure, 128 for a quick look)")
+    p.add_argument("--vary_output", action="store_true",
+                   help="spread the requests' output lengths uniformly over [output_len / 2, output_len] (seeded), "
+                        "so they finish at different steps; decode tok/s covers the steps before the first finishes")
     p.add_argument("--hyper_params", default="{}",
                    help="JSON object of engine knobs (e.g. gpu_memory_utilization, chunk_prefill_size, page_size) "
                         "and method knobs (prefixed by the method name, e.g. quest_token_budget); a method knob "
@@ -250,7 +253,8 @@ def _dtype_bytes(result: dict, resolved: dict) -> int:
 
 
 def make_row(case: dict, result: dict, args, plan: dict) -> dict:
-    row = {k: case[k] for k in ("run_id", "method", "length", "batch", "output_len", "repeat", "seed")}
+    row = {k: case[k] for k in ("run_id", "method", "length", "batch", "output_len", "vary_output", "repeat",
+                                 "seed")}
     row.update(status=result.get("status"), error=result.get("error"))
     row.update({k: v for k, v in result.items() if k not in row})
     for key in bench_case.METRIC_KEYS:
@@ -296,7 +300,8 @@ def run_sweep(args, plan: dict) -> list[dict]:
                     kwargs.setdefault("max_num_seqs", batch)  # every request admitted at once, graphs sized to it
                 resolved = plan["resolved"].get(method, {})
                 cases.append({"run_id": run_id, "method": method, "length": length, "batch": batch,
-                              "output_len": args.output_len, "repeat": args.repeat, "seed": args.seed,
+                              "output_len": args.output_len, "vary_output": args.vary_output,
+                              "repeat": args.repeat, "seed": args.seed,
                               "model_dir": mdir, "model_config": plan["model_config"], "engine_kwargs": kwargs,
                               "resolved_knobs": resolved,
                               "kv_tokens_stored": kv_tokens_held(plan, method, length, args.output_len)})

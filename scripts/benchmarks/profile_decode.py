@@ -1,7 +1,13 @@
 """Where a decode step's time goes: GPU kernel time by kind vs wall time per step (the gap is host
-work between graph replays). Llama-3.1-8B shape, random weights.
+work between graph replays), and the longest stretches the GPU waits for the host. Llama-3.1-8B
+shape, random weights.
 
     python scripts/benchmarks/profile_decode.py --batch 1 --length 4096 [--method vanilla] [--steps 32]
+    python scripts/benchmarks/profile_decode.py --batch 64 --length 4096 --output_len 512 --vary_output --gaps
+
+--gaps profiles every step after the last prefill until the last request finishes (requests ending at
+different steps with --vary_output) and reports the idle gaps between consecutive GPU operations:
+a gap longer than a kernel launch is the device waiting for the host.
 """
 import argparse
 import json
@@ -12,6 +18,7 @@ import time
 from collections import defaultdict
 from importlib import resources
 
+import numpy as np
 import torch
 from torch.profiler import ProfilerActivity, profile
 
@@ -22,12 +29,29 @@ def kind(name: str) -> str:
     n = name.lower()
     for key, label in (("decode_split", "decode attention"), ("decode_merge", "decode attention (merge)"),
                        ("gemm", "GEMM"), ("gemv", "GEMM"), ("nvjet", "GEMM"), ("cutlass", "GEMM"),
-                       ("rms_norm", "rmsnorm"), ("rope", "rope"), ("silu", "silu_mul"), ("store", "kv store"),
+                       ("rms_norm", "rmsnorm"), ("rope_store", "rope + kv store"), ("silu", "silu_mul"),
                        ("argmax", "sampling"), ("copy", "copies"), ("quest_scores", "method: scores"),
                        ("select_pages", "method: select"), ("page_minmax", "method: page min/max")):
         if key in n:
             return label
     return "other"
+
+
+def gap_stats(prof, threshold_us: float = 50.0) -> dict:
+    """Idle time between consecutive device operations (kernels and copies) on the timeline."""
+    spans = sorted((ev.time_range.start, ev.time_range.end) for ev in prof.events()
+                   if ev.device_type == torch.autograd.DeviceType.CUDA and ev.time_range.end > ev.time_range.start)
+    if len(spans) < 2:
+        return {}
+    gaps, end = [], spans[0][1]
+    for start, stop in spans[1:]:
+        gaps.append(max(0.0, start - end))
+        end = max(end, stop)
+    g = np.asarray(gaps)
+    return {"device_ops": len(spans), "timeline_ms": (end - spans[0][0]) / 1e3, "idle_ms": float(g.sum()) / 1e3,
+            "max_gap_us": float(g.max()), "p99_gap_us": float(np.percentile(g, 99)),
+            f"gaps_over_{threshold_us:.0f}us": int((g > threshold_us).sum()),
+            "largest_gaps_us": sorted(g.tolist(), reverse=True)[:10]}
 
 
 def main():
@@ -36,42 +60,61 @@ def main():
     ap.add_argument("--length", type=int, default=4096)
     ap.add_argument("--method", default="vanilla")
     ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--output_len", type=int, default=None, help="tokens per request (default 4 x --steps)")
+    ap.add_argument("--vary_output", action="store_true",
+                    help="output lengths spread uniformly over [output_len / 2, output_len] (seeded)")
+    ap.add_argument("--gaps", action="store_true", help="profile from the last prefill to the end; report idle gaps")
     ap.add_argument("--preset", default="llama-3.1-8b")
     ap.add_argument("--hyper_params", default="{}")
     ap.add_argument("--out", default=None, help="write the breakdown as JSON here")
     args = ap.parse_args()
+    output_len = args.output_len or 4 * args.steps
     folder = tempfile.mkdtemp()
     cfg = json.loads(resources.files("sparsevllm.presets").joinpath(f"{args.preset}.json").read_text())
     with open(os.path.join(folder, "config.json"), "w") as f:
         json.dump(cfg, f)
     llm = LLM(folder, vllm_sparse_method=args.method, load_format="dummy", max_num_seqs=args.batch,
-              max_model_len=args.length + 4 * args.steps + 64, **json.loads(args.hyper_params))
+              max_model_len=args.length + output_len + 64, **json.loads(args.hyper_params))
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(1000, 30000, (args.length,), generator=gen).tolist() for _ in range(args.batch)]
+    rng = np.random.default_rng(0)
+    lens = (rng.integers(output_len // 2, output_len + 1, args.batch) if args.vary_output
+            else [output_len] * args.batch)
     eng = llm.engine
-    seqs = [eng.add_request(p, SamplingParams(temperature=0, max_tokens=4 * args.steps, ignore_eos=True))
-            for p in prompts]
+    seqs = [eng.add_request(p, SamplingParams(temperature=0, max_tokens=int(n), ignore_eos=True))
+            for p, n in zip(prompts, lens)]
     while any(s.num_completion_tokens < 4 for s in seqs):  # prefill + a few warm decode steps
         eng.step()
     torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(args.steps):
-        eng.step()
-    torch.cuda.synchronize()
-    wall = (time.perf_counter() - t0) / args.steps
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    out = {"method": args.method, "batch": args.batch, "length": args.length, "mode": llm.execution_mode,
+           "async_scheduling": eng.async_scheduling}
+    if args.gaps:
+        steps, t0 = 0, time.perf_counter()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            while eng.has_work():
+                eng.step()
+                steps += 1
+            torch.cuda.synchronize()
+        out.update(output_lens=[int(x) for x in lens], steps=steps,
+                   wall_ms_per_step=(time.perf_counter() - t0) * 1e3 / steps, gaps=gap_stats(prof))
+    else:
+        t0 = time.perf_counter()
         for _ in range(args.steps):
             eng.step()
         torch.cuda.synchronize()
-    busy = defaultdict(float)  # ms per step by kernel kind (only device activity was recorded)
-    for ev in prof.key_averages():
-        t = getattr(ev, "device_time_total", 0.0)
-        if t:
-            busy["memcpy" if "memcpy" in ev.key.lower() else kind(ev.key)] += t / 1e3 / args.steps
-    total = sum(busy.values())
-    out = {"method": args.method, "batch": args.batch, "length": args.length, "wall_ms_per_step": wall * 1e3,
-           "gpu_busy_ms_per_step": total, "idle_ms_per_step": wall * 1e3 - total,
-           "by_kind_ms": dict(sorted(busy.items(), key=lambda kv: -kv[1])), "mode": llm.execution_mode}
+        wall = (time.perf_counter() - t0) / args.steps
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(args.steps):
+                eng.step()
+            torch.cuda.synchronize()
+        busy = defaultdict(float)  # ms per step by kernel kind (only device activity was recorded)
+        for ev in prof.key_averages():
+            t = getattr(ev, "device_time_total", 0.0)
+            if t:
+                busy["memcpy" if "memcpy" in ev.key.lower() else kind(ev.key)] += t / 1e3 / args.steps
+        total = sum(busy.values())
+        out.update(wall_ms_per_step=wall * 1e3, gpu_busy_ms_per_step=total, idle_ms_per_step=wall * 1e3 - total,
+                   by_kind_ms=dict(sorted(busy.items(), key=lambda kv: -kv[1])), gaps=gap_stats(prof))
     print(json.dumps(out, indent=1))
     if args.out:
         with open(args.out, "w") as f:

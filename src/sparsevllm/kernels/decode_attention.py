@@ -10,7 +10,7 @@ The Triton path is split-K flash-decoding: one program per (request, KV head, sp
 query head of the KV group as the rows of one tl.dot (padded to 16 rows so the tensor cores take
 it; with G = H_q a program holds one query head), walks its share of the row's tokens with an
 online softmax and writes a partial output and its log-sum-exp; a second small kernel merges the
-splits. The split count depends only on static
+splits (a single split writes the output itself). The split count depends only on static
 shapes (B, H_kv, N, P), never on the lengths, so a CUDA graph captured per batch bucket replays
 correctly for any lengths: each row divides its own length over the splits in-kernel, and splits
 left empty write lse = -inf which the merge ignores.
@@ -67,13 +67,13 @@ def decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
 
 @jit
 def _decode_split_kernel(
-        q_ptr, k_ptr, v_ptr, table_ptr, len_ptr, mid_o_ptr, mid_lse_ptr, qk_scale,
+        q_ptr, k_ptr, v_ptr, table_ptr, len_ptr, mid_o_ptr, mid_lse_ptr, out_ptr, qk_scale,
         stride_qb, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh,
         stride_tb, stride_tg, stride_lb, stride_lg,
-        stride_ob, stride_oh, stride_os, stride_lseb, stride_lseh, NUM_SPLITS,
+        stride_ob, stride_oh, stride_os, stride_lseb, stride_lseh, stride_outb, stride_outh, NUM_SPLITS,
         QG: tl.constexpr, KV_DIV: tl.constexpr, P: tl.constexpr, HEAD_DIM: tl.constexpr,
         BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-        UPCAST: tl.constexpr, DOT_PREC: tl.constexpr):
+        UPCAST: tl.constexpr, DOT_PREC: tl.constexpr, DIRECT: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)        # the view row: a KV head (QG query heads), or a query head (QG = 1)
     split = tl.program_id(2)
@@ -92,9 +92,15 @@ def _decode_split_kernel(
     lse_ptrs = mid_lse_ptr + b * stride_lseb + heads * stride_lseh + split
     o_ptrs = (mid_o_ptr + b * stride_ob + heads[:, None] * stride_oh + split * stride_os
               + dims[None, :])
+    # One split (DIRECT): the program owns the whole row and writes the final output, no merge.
+    out_ptrs = out_ptr + b * stride_outb + heads[:, None] * stride_outh + dims[None, :]
     if start >= end:  # a split past this row's length: contributes nothing to the merge
-        tl.store(lse_ptrs, tl.full([BLOCK_H], float("-inf"), tl.float32), mask=row_ok)
-        tl.store(o_ptrs, tl.zeros([BLOCK_H, BLOCK_D], tl.float32), mask=row_ok[:, None] & dim_ok[None, :])
+        if DIRECT:
+            tl.store(out_ptrs, tl.zeros([BLOCK_H, BLOCK_D], tl.float32).to(out_ptr.dtype.element_ty),
+                     mask=row_ok[:, None] & dim_ok[None, :])
+        else:
+            tl.store(lse_ptrs, tl.full([BLOCK_H], float("-inf"), tl.float32), mask=row_ok)
+            tl.store(o_ptrs, tl.zeros([BLOCK_H, BLOCK_D], tl.float32), mask=row_ok[:, None] & dim_ok[None, :])
         return
 
     q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + dims[None, :],
@@ -127,8 +133,11 @@ def _decode_split_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
         m_i = m_new
-    tl.store(lse_ptrs, m_i + tl.log2(l_i), mask=row_ok)
-    tl.store(o_ptrs, acc / l_i[:, None], mask=row_ok[:, None] & dim_ok[None, :])
+    if DIRECT:
+        tl.store(out_ptrs, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
+    else:
+        tl.store(lse_ptrs, m_i + tl.log2(l_i), mask=row_ok)
+        tl.store(o_ptrs, acc / l_i[:, None], mask=row_ok[:, None] & dim_ok[None, :])
 
 
 @jit
@@ -189,23 +198,27 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     rows = Hq if per_query_head else Hkv       # programs per request and split
     QG = 1 if per_query_head else Hq // Hkv    # query heads per program
     S = num_splits(B, rows, N, P, q.device)
-    mid_o = torch.empty(B, Hq, S, D, dtype=torch.float32, device=q.device)
-    mid_lse = torch.empty(B, Hq, S, dtype=torch.float32, device=q.device)
     out = torch.empty_like(q)
+    direct = S == 1
+    mid_o = torch.empty(B, Hq, 1 if direct else S, D, dtype=torch.float32, device=q.device)
+    mid_lse = torch.empty(B, Hq, 1 if direct else S, dtype=torch.float32, device=q.device)
     upcast = upcast_loads(q.dtype)
     stride_tg = table.stride(1) if G > 1 else 0
     stride_lg = lengths.stride(1) if G > 1 else 0
     BLOCK_D = pow2(D)
     _decode_split_kernel[(B, rows, S)](
-        q, k_cache, v_cache, table, lengths, mid_o, mid_lse, scale * 1.4426950408889634,
+        q, k_cache, v_cache, table, lengths, mid_o, mid_lse, out, scale * 1.4426950408889634,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         v_cache.stride(0), v_cache.stride(1),
         table.stride(0), stride_tg, lengths.stride(0), stride_lg,
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
+        out.stride(0), out.stride(1),
         S, QG=QG, KV_DIV=Hq // Hkv if per_query_head else 1, P=P, HEAD_DIM=D, BLOCK_D=BLOCK_D,
         BLOCK_H=max(16, pow2(QG)), BLOCK_N=BLOCK_N,
-        UPCAST=upcast, DOT_PREC=dot_precision(q.dtype),
+        UPCAST=upcast, DOT_PREC=dot_precision(q.dtype), DIRECT=direct,
         num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+    if direct:
+        return out
     _decode_merge_kernel[(B, Hq)](
         mid_o, mid_lse, out, mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
         mid_lse.stride(0), mid_lse.stride(1), out.stride(0), out.stride(1), S,
