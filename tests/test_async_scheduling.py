@@ -11,7 +11,8 @@ from sparsevllm import LLM, SamplingParams
 
 CUDA = torch.cuda.is_available()
 METHODS = {"vanilla": {}, "quest": {"quest_token_budget": 32, "quest_skip_layers": 1},
-           "snapkv": {"snapkv_capacity": 48, "snapkv_window_size": 8}}
+           "snapkv": {"snapkv_capacity": 48, "snapkv_window_size": 8},
+           "omnikv": {"omnikv_filter_layers": [0], "omnikv_wait_layers": 0, "omnikv_num_selected": 0.2}}
 
 
 def prompts(lengths, seed=0):

@@ -73,10 +73,12 @@ class LLMEngine:
         elif config.max_model_len > model_cfg.max_position_embeddings:
             raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's context "
                              f"(max_position_embeddings={model_cfg.max_position_embeddings})")
+        method_cls = get_method(config.vllm_sparse_method)
+        method_cls.validate_model(config, model_cfg)   # knobs against the model's shape, before weights load
         self.config = config
         self.tokenizer = self._load_tokenizer(model_path)
         self.eos_token_ids = self._eos_ids(model_path)
-        self.model_runner = ModelRunner(config, model_path, model_cfg, get_method(config.vllm_sparse_method))
+        self.model_runner = ModelRunner(config, model_path, model_cfg, method_cls)
         self.cache_manager = self.model_runner.cache_manager
         self.scheduler = Scheduler(config, self.cache_manager)
         self.generator = torch.Generator(device=self.model_runner.device).manual_seed(config.seed)

@@ -29,6 +29,7 @@ from sparsevllm.engine.sequence import Sequence
 from sparsevllm.engine.staging import HostStaging
 from sparsevllm.engine.step import DecodeView, PrefillView, StepState
 from sparsevllm.kernels.rope_store import rope_store
+from sparsevllm.models.config import ModelConfig
 
 
 @dataclass
@@ -62,6 +63,12 @@ class CacheManager:
     def bytes_per_page(cls, config: EngineConfig, num_layers, num_kv_heads, head_dim, dtype) -> int:
         """Device bytes one page costs, metadata included; used to size the pool from memory."""
         return KVPool.bytes_per_page(num_layers, config.page_size, num_kv_heads, head_dim, dtype)
+
+    @classmethod
+    def validate_model(cls, config: EngineConfig, model_config: ModelConfig) -> None:
+        """Check the method's knobs against the model's shape (layer ids, head counts), after its
+        config.json is read and before any weight loads; raise ValueError naming the knob. Dense:
+        nothing to check."""
 
     @classmethod
     def decode_kv_tokens_read(cls, config: EngineConfig, num_layers: int, prompt_len: int,

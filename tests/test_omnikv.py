@@ -1,0 +1,274 @@
+"""OmniKV: layer roles, the filter layers' selection against a naive float64 oracle (ties included),
+generated tokens always attended, the causal invariant, equality with vanilla when the selection
+covers the prompt (batch 1 and > 1, chunked prefill, prefix-cache hits), bad knobs rejected before
+any weight loads, and the kernels against their references."""
+import os
+
+import numpy as np
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+from sparsevllm import LLM, SamplingParams  # noqa: E402
+from sparsevllm.engine.cache_manager.omnikv import default_filter_layers, layer_roles  # noqa: E402
+from sparsevllm.kernels import omnikv as ok  # noqa: E402
+from sparsevllm.method_registry import make_config  # noqa: E402
+
+CUDA = torch.cuda.is_available()
+GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+KNOBS = dict(omnikv_filter_layers=[1], omnikv_wait_layers=1)   # 4 layers: dense, filter, wait, sparse
+interp = pytest.mark.skipif(CUDA, reason="interpreter tests run on CPU-only machines")
+
+
+def gpu(fn):
+    return pytest.mark.gpu(pytest.mark.skipif(not CUDA, reason="needs CUDA")(fn))
+
+
+def prompts(lengths, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, 250, n).tolist() for n in lengths]
+
+
+def model(tiny_model, arch="llama"):
+    return tiny_model(arch, num_hidden_layers=4)
+
+
+def run(llm, ps, sp=GREEDY):
+    outs = llm.generate(ps, sp, use_tqdm=False)
+    assert llm.engine.cache_manager.allocator.is_idle()
+    return [o["token_ids"] for o in outs]
+
+
+# ---------------------------------------------------------------- the naive oracle
+
+def oracle(q, k_cache, table_row, length, prompt_len, P, keep, scale, selector):
+    """OmniKV's attended positions for one request from the raw keys, in float64 Python loops."""
+    Hq, Hkv = q.shape[0], k_cache.shape[1]
+    keys = [k_cache[table_row[j // P] * P + j % P].double() for j in range(length)]
+    per_head = [[float(q[h].double() @ keys[j][h // (Hq // Hkv)]) * scale for j in range(length)]
+                for h in range(Hq)]
+    if selector == "softmax_max":
+        per_head = [list(torch.tensor(row).softmax(0)) for row in per_head]
+    score = [max(float(per_head[h][j]) for h in range(Hq)) for j in range(prompt_len)]
+    chosen = sorted(range(prompt_len), key=lambda j: (-score[j], j))[:keep]
+    return sorted(chosen) + list(range(prompt_len, length))
+
+
+def check_views(llm, log):
+    """Every sparse layer's view equals the oracle, names distinct positions below or at the
+    query's, and contains every generated token."""
+    cm = llm.engine.cache_manager
+    build = cm.build_decode_view
+    captured = {}
+
+    def checked(layer_id, q, step):
+        view = build(layer_id, q, step)
+        role, source = cm.roles[layer_id]
+        if role == "filter":
+            captured[layer_id] = q.clone()
+        if role != "sparse":
+            return view
+        P = cm.page_size
+        qf = captured[source]
+        k_cache = cm.pool.layer(source)[0]
+        for b, seq in enumerate(step.seqs):
+            length, plen = int(step.cache_lens[b]), seq.num_prompt_tokens
+            row = step.block_tables[b].tolist()
+            slot_pos = {row[j // P] * P + j % P: j for j in range(length)}
+            n = int(view.lengths[b, 0])
+            positions = [slot_pos[s] for s in view.table[b, 0, :n].tolist()]
+            assert positions == sorted(set(positions)) and positions[-1] == length - 1   # causal, in order
+            assert set(range(plen, length)) <= set(positions)                            # generated: all
+            keep = cm.method_config.num_kept(plen)
+            want = oracle(qf[b], k_cache, row, length, plen, P, keep, cm.scale, cm.selector)
+            assert positions == want, f"layer {layer_id} request {b}"
+            log["sparse"] += keep < plen
+            log["views"] += 1
+        return view
+    cm.build_decode_view = checked
+    return llm
+
+
+# ---------------------------------------------------------------- layer roles and knobs
+
+def test_layer_roles_follow_filter_and_wait_layers():
+    roles = layer_roles(8, [2, 5], 1)
+    assert [r for r, _ in roles] == ["dense", "dense", "filter", "dense", "sparse", "filter", "dense", "sparse"]
+    assert [s for _, s in roles] == [None] * 4 + [2, None, None, 5]
+    assert [r for r, _ in layer_roles(6, [1], 0)] == ["dense", "filter", "sparse", "sparse", "sparse", "sparse"]
+    assert default_filter_layers(32) == [2, 8, 18]
+    assert default_filter_layers(30) == [2, 8, 17]      # SmolLM2-135M
+    assert default_filter_layers(64) == [4, 16, 36]
+
+
+@pytest.mark.parametrize("knobs,msg", [
+    ({"omnikv_filter_layers": [8, 2]}, "omnikv_filter_layers=.*strictly increasing"),
+    ({"omnikv_filter_layers": [2, 2]}, "omnikv_filter_layers=.*strictly increasing"),
+    ({"omnikv_filter_layers": []}, "omnikv_filter_layers=.*non-empty"),
+    ({"omnikv_filter_layers": [-1]}, "omnikv_filter_layers"),
+    ({"omnikv_wait_layers": -1}, "omnikv_wait_layers=-1 is invalid; valid: an integer >= 0"),
+    ({"omnikv_num_selected": 0}, r"omnikv_num_selected=0 is invalid; valid: an integer >= 1 .* fraction in \(0, 1\]"),
+    ({"omnikv_num_selected": 1.5}, "omnikv_num_selected=1.5 is invalid"),
+    ({"omnikv_num_selected": -0.1}, "omnikv_num_selected"),
+    ({"omnikv_selector": "mean"}, "omnikv_selector='mean' is invalid; valid: last | softmax_max"),
+])
+def test_bad_knobs_are_rejected_before_any_model_loads(knobs, msg):
+    with pytest.raises(ValueError, match=msg):
+        make_config("/no/such/model", "omnikv", **knobs)
+
+
+def test_filter_layers_out_of_range_fail_before_weights_load(tiny_model, monkeypatch):
+    from sparsevllm.engine import model_runner
+
+    def no_load(*a, **k):
+        raise AssertionError("weights started loading")
+    monkeypatch.setattr(model_runner, "load_weights", no_load)
+    with pytest.raises(ValueError, match=r"omnikv_filter_layers=\[1, 4\] is out of range .* 4 layers; valid: .*\[0, 3\]"):
+        LLM(model(tiny_model), vllm_sparse_method="omnikv", omnikv_filter_layers=[1, 4], device="cpu")
+
+
+def test_num_selected_is_a_count_or_a_fraction_of_the_prompt():
+    cfg = make_config(None, "omnikv").method_config
+    assert cfg.omnikv_num_selected == 0.067 and cfg.num_kept(1000) == 67 and cfg.num_kept(5) == 1
+    assert make_config(None, "omnikv", omnikv_num_selected=40).method_config.num_kept(30) == 30
+
+
+# ---------------------------------------------------------------- engine (CPU)
+
+@pytest.mark.parametrize("chunk", [4096, 32])
+def test_omnikv_equals_vanilla_when_the_selection_covers_the_prompt(tiny_model, chunk):
+    path = model(tiny_model)
+    ps = prompts([70, 13, 150])
+    want = run(LLM(path, device="cpu", chunk_prefill_size=chunk), ps)
+    llm = LLM(path, vllm_sparse_method="omnikv", device="cpu", omnikv_num_selected=1.0, chunk_prefill_size=chunk,
+              **KNOBS)
+    assert run(llm, ps[:1]) == want[:1]     # batch 1
+    assert run(llm, ps) == want             # batch > 1, different prompt lengths
+
+
+@pytest.mark.parametrize("selector", ["last", "softmax_max"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_omnikv_selection_equals_oracle_and_is_causal(tiny_model, arch, selector):
+    log = {"sparse": 0, "views": 0}
+    llm = check_views(LLM(model(tiny_model, arch), vllm_sparse_method="omnikv", device="cpu", omnikv_num_selected=9,
+                          omnikv_selector=selector, chunk_prefill_size=48, page_size=8, **KNOBS), log)
+    outs = run(llm, prompts([70, 13, 150], seed=1))
+    assert log["views"] >= 2 * 9 and log["sparse"] > 0
+    assert all(len(o) == GREEDY.max_tokens for o in outs)
+
+
+def test_omnikv_with_prefix_cache_hits_and_filter_layer_zero(tiny_model):
+    path = model(tiny_model)
+    shared = prompts([64], seed=3)[0]
+    ps = [shared + p for p in prompts([20, 37], seed=4)]
+    knobs = dict(vllm_sparse_method="omnikv", device="cpu", omnikv_filter_layers=[0, 2], omnikv_wait_layers=0,
+                 omnikv_num_selected=0.25, page_size=8, chunk_prefill_size=40)
+    want = run(LLM(path, enable_prefix_caching=False, **knobs), ps)
+    llm = LLM(path, **knobs)
+    assert run(llm, ps[:1]) == want[:1]
+    assert run(llm, ps) == want           # the second request hits the first one's prefix pages
+    assert llm.engine.cache_manager.roles == [("filter", None), ("sparse", 0), ("filter", None), ("sparse", 2)]
+
+
+def test_omnikv_differs_from_vanilla_when_it_selects(tiny_model):
+    """A sanity check that the selection is used: a 2-token budget changes some output."""
+    path = model(tiny_model)
+    ps = prompts([150, 120], seed=5)
+    want = run(LLM(path, device="cpu"), ps, SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True))
+    got = run(LLM(path, vllm_sparse_method="omnikv", device="cpu", omnikv_num_selected=2,
+                  omnikv_filter_layers=[0], omnikv_wait_layers=0), ps,
+              SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True))
+    assert got != want
+
+
+# ---------------------------------------------------------------- kernels
+
+def kernel_case(g, B, Hq, Hkv, D, P, N, dtype, device):
+    num_pages = B * N + 3
+    k_cache = torch.randn(num_pages * P, Hkv, D, generator=g).to(device, dtype)
+    table = torch.randperm(num_pages, generator=g)[:B * N].view(B, N).int().to(device)
+    q = torch.randn(B, Hq, D, generator=g).to(device, dtype)
+    lengths = torch.randint(N * P // 2, N * P + 1, (B,), generator=g).int()
+    prompt = (lengths.float() * torch.rand(B, generator=g) * 0.9).int() + 1
+    return q, k_cache, table, lengths.to(device), prompt.to(device)
+
+
+@interp
+@pytest.mark.parametrize("selector", ["last", "softmax_max"])
+@pytest.mark.parametrize("P,dtype", [(1, torch.float32), (4, torch.float16), (16, torch.float32)])
+def test_omnikv_scores_triton_matches_reference(selector, P, dtype):
+    g = torch.Generator().manual_seed(P)
+    q, k_cache, table, lengths, prompt = kernel_case(g, 3, 6, 2, 32, P, 160 // P, dtype, "cpu")
+    got = ok.omnikv_scores_triton(q, k_cache, table, lengths, prompt, P, 0.2, selector)
+    want = ok.omnikv_scores_ref(q, k_cache, table, lengths, prompt, P, 0.2, selector)
+    assert torch.equal(torch.isinf(got), torch.isinf(want))
+    fin = torch.isfinite(want)
+    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    torch.testing.assert_close(got[fin], want[fin], atol=tol, rtol=tol)
+
+
+@interp
+@pytest.mark.parametrize("block", [32, 2048])
+def test_select_tokens_triton_matches_reference_with_ties(block, monkeypatch):
+    monkeypatch.setattr(ok, "SELECT_BLOCK", block)   # 32: many blocks per row
+    g = torch.Generator().manual_seed(block)
+    B, P, N = 4, 4, 40
+    _, _, table, lengths, prompt = kernel_case(g, B, 2, 1, 8, P, N, torch.float32, "cpu")
+    for trial in range(4):
+        scores = torch.randn(B, N * P, generator=g)
+        scores[:, ::5] = 0.25                       # plateaus of equal scores straddle the cut
+        if trial == 3:
+            scores[:] = -1.0                        # everything tied
+        pos = torch.arange(N * P)
+        scores = scores.masked_fill(pos >= torch.minimum(prompt, lengths).long().view(B, 1), float("-inf"))
+        keep = torch.minimum(torch.randint(1, 40, (B,), generator=g).int(), prompt)
+        got_t, got_l = ok.select_tokens_triton(scores, keep, table, lengths, prompt, P)
+        want_t, want_l = ok.select_tokens_ref(scores, keep, table, lengths, prompt, P)
+        assert torch.equal(got_l, want_l)
+        for b in range(B):
+            assert torch.equal(got_t[b, 0, :int(want_l[b])], want_t[b, 0, :int(want_l[b])]), (trial, b)
+
+
+def test_select_tokens_ref_keeps_the_top_n_then_every_generated_token():
+    table = torch.arange(4, dtype=torch.int32).view(1, 4)            # page size 4: slot = position
+    scores = torch.tensor([[0.5, 2.0, 2.0, -1.0, 3.0, 0.1] + [float("-inf")] * 10])
+    t, n = ok.select_tokens_ref(scores, torch.tensor([3]), table, torch.tensor([9]), torch.tensor([6]), 4)
+    assert int(n) == 3 + 3 and t[0, 0, :6].tolist() == [1, 2, 4, 6, 7, 8]
+
+
+# ---------------------------------------------------------------- GPU
+
+@gpu
+@pytest.mark.parametrize("selector", ["last", "softmax_max"])
+def test_gpu_omnikv_kernels_match_references_bf16(selector):
+    g = torch.Generator().manual_seed(2)
+    q, k_cache, table, lengths, prompt = kernel_case(g, 4, 32, 8, 128, 16, 300, torch.bfloat16, "cuda")
+    got = ok.omnikv_scores(q, k_cache, table, lengths, prompt, 16, 128 ** -0.5, selector)
+    want = ok.omnikv_scores_ref(q, k_cache, table, lengths, prompt, 16, 128 ** -0.5, selector)
+    fin = torch.isfinite(want)
+    assert torch.equal(torch.isinf(got), torch.isinf(want))
+    torch.testing.assert_close(got[fin], want[fin], atol=2e-2, rtol=2e-2)
+    keep = (prompt.float() * 0.067).ceil().int()
+    got_t, got_l = ok.select_tokens(want, keep, table, lengths, prompt, 16)
+    want_t, want_l = ok.select_tokens_ref(want, keep, table, lengths, prompt, 16)
+    assert torch.equal(got_l, want_l)
+    for b in range(4):
+        assert torch.equal(got_t[b, 0, :int(want_l[b])], want_t[b, 0, :int(want_l[b])])
+
+
+@gpu
+def test_gpu_omnikv_graph_replay_equals_eager(tiny_model):
+    path = model(tiny_model)
+    ps = prompts([300, 90, 500, 41], seed=6)
+    knobs = dict(vllm_sparse_method="omnikv", device="cuda", dtype="float32", omnikv_num_selected=0.1, **KNOBS)
+    eager = LLM(path, enforce_eager=True, **knobs)
+    graph = LLM(path, **knobs)
+    assert graph.execution_mode == "cuda_graph"
+    assert run(graph, ps) == run(eager, ps)
+    cont = prompts([12] * 4, seed=7)
+    for a, b in zip(graph.teacher_forced_logprobs(ps, cont, use_tqdm=False),
+                    eager.teacher_forced_logprobs(ps, cont, use_tqdm=False)):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
