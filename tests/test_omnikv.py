@@ -272,3 +272,36 @@ def test_gpu_omnikv_graph_replay_equals_eager(tiny_model):
     for a, b in zip(graph.teacher_forced_logprobs(ps, cont, use_tqdm=False),
                     eager.teacher_forced_logprobs(ps, cont, use_tqdm=False)):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+# ---------------------------------------------------------------- calibration helper
+
+def test_calibration_picks_filter_layers_deterministically(tiny_model, tmp_path, capsys):
+    import json
+
+    from sparsevllm.tools import omnikv_calibrate as cal
+    path = tiny_model("llama", num_hidden_layers=6)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt_token_ids": p}) for p in prompts_of(3)))
+    out = tmp_path / "cal"
+    args = ["--model", path, "--prompts", str(prompts), "--decode_steps", "3", "--num_filter_layers", "2",
+            "--first_layer", "0", "--wait_layers", "1", "--num_selected", "0.2", "--out", str(out),
+            "--hyper_params", '{"device": "cpu"}']
+    assert cal.main(args) == 0
+    report = json.loads((tmp_path / "cal.json").read_text())
+    assert (tmp_path / "cal.png").stat().st_size > 0
+    filters = report["filter_layers"]
+    assert filters[0] == 0 and len(filters) == 2 and filters == sorted(set(filters))
+    assert f"omnikv_filter_layers={filters}" in capsys.readouterr().out
+    cov = report["coverage"]
+    assert len(cov) == 6 and all(0.0 <= cov[f][l] <= 1.0 + 1e-9 for f in range(6) for l in range(f, 6))
+    # the greedy pick is the best pair with layer 0 first, under its own objective
+    import torch
+    c = torch.tensor(cov)
+    best = max(range(2, 6), key=lambda x: cal.mean_sparse_coverage(c, [0, x], 1))
+    assert filters == [0, best] or cal.mean_sparse_coverage(c, filters, 1) >= cal.mean_sparse_coverage(c, [0, best], 1)
+    assert cal.main(args) == 0 and json.loads((tmp_path / "cal.json").read_text())["coverage"] == cov   # deterministic
+
+
+def prompts_of(n):
+    return prompts([120 + 17 * i for i in range(n)], seed=11)

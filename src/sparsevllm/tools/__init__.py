@@ -1,0 +1,1 @@
+"""Command-line tools that work with a model: python -m sparsevllm.tools.<name>."""
