@@ -43,15 +43,18 @@ def gap_stats(prof, threshold_us: float = 50.0) -> dict:
                    if ev.device_type == torch.autograd.DeviceType.CUDA and ev.time_range.end > ev.time_range.start)
     if len(spans) < 2:
         return {}
-    gaps, end = [], spans[0][1]
+    gaps, at, end = [], [], spans[0][1]
     for start, stop in spans[1:]:
         gaps.append(max(0.0, start - end))
+        at.append((end - spans[0][0]) / 1e3)
         end = max(end, stop)
     g = np.asarray(gaps)
+    largest = np.argsort(-g)[:10]
     return {"device_ops": len(spans), "timeline_ms": (end - spans[0][0]) / 1e3, "idle_ms": float(g.sum()) / 1e3,
             "max_gap_us": float(g.max()), "p99_gap_us": float(np.percentile(g, 99)),
             f"gaps_over_{threshold_us:.0f}us": int((g > threshold_us).sum()),
-            "largest_gaps_us": sorted(g.tolist(), reverse=True)[:10]}
+            "largest_gaps_us": [round(float(g[i]), 1) for i in largest],
+            "largest_gaps_at_ms": [round(at[i], 3) for i in largest]}
 
 
 def main():
@@ -108,13 +111,18 @@ def main():
                 eng.step()
             torch.cuda.synchronize()
         busy = defaultdict(float)  # ms per step by kernel kind (only device activity was recorded)
+        other = defaultdict(float)
         for ev in prof.key_averages():
             t = getattr(ev, "device_time_total", 0.0)
             if t:
-                busy["memcpy" if "memcpy" in ev.key.lower() else kind(ev.key)] += t / 1e3 / args.steps
+                label = "memcpy" if "memcpy" in ev.key.lower() else kind(ev.key)
+                busy[label] += t / 1e3 / args.steps
+                if label == "other":
+                    other[ev.key[:80]] += t / 1e3 / args.steps
         total = sum(busy.values())
         out.update(wall_ms_per_step=wall * 1e3, gpu_busy_ms_per_step=total, idle_ms_per_step=wall * 1e3 - total,
-                   by_kind_ms=dict(sorted(busy.items(), key=lambda kv: -kv[1])), gaps=gap_stats(prof))
+                   by_kind_ms=dict(sorted(busy.items(), key=lambda kv: -kv[1])),
+                   other_ms=dict(sorted(other.items(), key=lambda kv: -kv[1])[:10]), gaps=gap_stats(prof))
     print(json.dumps(out, indent=1))
     if args.out:
         with open(args.out, "w") as f:

@@ -81,11 +81,11 @@ def _rope_store_kernel(q_ptr, k_ptr, v_ptr, qo_ptr, ko_ptr, pos_ptr, cache_ptr, 
 
     slot = tl.load(slot_ptr + t).to(tl.int64)   # int64: slot * stride overflows int32 on big pools
     if slot >= 0:
-        lo = lo.to(kc_ptr.dtype.element_ty)
-        hi = hi.to(kc_ptr.dtype.element_ty)
+        k_lo = lo.to(kc_ptr.dtype.element_ty)
+        k_hi = hi.to(kc_ptr.dtype.element_ty)
         dst = kc_ptr + slot * stride_kcs + heads * stride_kch + cols
-        tl.store(dst, lo, mask=mask)
-        tl.store(dst + HALF, hi, mask=mask)
+        tl.store(dst, k_lo, mask=mask)
+        tl.store(dst + HALF, k_hi, mask=mask)
         vsrc = v_ptr + t * stride_vt + heads * stride_vh + cols
         vdst = vc_ptr + slot * stride_vcs + heads * stride_vch + cols
         tl.store(vdst, tl.load(vsrc, mask=mask, other=0.0).to(vc_ptr.dtype.element_ty), mask=mask)
@@ -95,8 +95,8 @@ def _rope_store_kernel(q_ptr, k_ptr, v_ptr, qo_ptr, ko_ptr, pos_ptr, cache_ptr, 
             first = slot % P == 0
             mn = kmin_ptr + page * stride_mp + heads * stride_mh + cols
             mx = kmax_ptr + page * stride_mp + heads * stride_mh + cols
-            lo_b = lo.to(kmin_ptr.dtype.element_ty)
-            hi_b = hi.to(kmin_ptr.dtype.element_ty)
+            lo_b = k_lo.to(kmin_ptr.dtype.element_ty)
+            hi_b = k_hi.to(kmin_ptr.dtype.element_ty)
             if first:
                 tl.store(mn, lo_b, mask=mask)
                 tl.store(mn + HALF, hi_b, mask=mask)
