@@ -84,16 +84,14 @@ class ModelRunner:
 
     def _activation_bytes(self) -> int:
         """Peak transient memory of the largest prefill step, estimated from the model shape: the
-        hidden states, the qkv and gate/up projections of max_num_batched_tokens tokens, the
-        logits of one row per sequence, and one request's prefix keys and values gathered for
-        SDPA (max_model_len tokens x query heads), with a 2x margin for allocator slack."""
+        hidden states, the qkv and gate/up projections of max_num_batched_tokens tokens, and the
+        logits of one row per sequence, with a 2x margin for allocator slack."""
         m, cfg = self.model_config, self.config
         t = cfg.max_num_batched_tokens
         width = m.hidden_size * 4 + (m.num_attention_heads + 2 * m.num_key_value_heads) * m.head_dim \
             + 3 * m.intermediate_size
         elem = torch.empty((), dtype=self.dtype).element_size()
-        prefix = 2 * cfg.max_model_len * m.num_attention_heads * m.head_dim * elem
-        return 2 * (t * width * elem + cfg.max_num_seqs * m.vocab_size * 4) + prefix
+        return 2 * (t * width * elem + cfg.max_num_seqs * m.vocab_size * 4)
 
     @torch.inference_mode()
     def forward(self, step: StepState, prev_tokens: torch.Tensor | None = None) -> torch.Tensor:
@@ -139,7 +137,7 @@ class DecodeGraphs:
             positions=torch.zeros(bs, dtype=torch.int64, device=dev),
             slot_mapping=torch.full((bs,), -1, dtype=torch.int64, device=dev),
             block_tables=torch.zeros(bs, max_pages, dtype=torch.int32, device=dev),
-            cache_lens=torch.ones(bs, dtype=torch.int32, device=dev), host_cache_lens=[],
+            cache_lens=torch.ones(bs, dtype=torch.int32, device=dev),
             cu_seqlens_q=torch.arange(bs + 1, dtype=torch.int32, device=dev),
             logits_indices=torch.arange(bs, dtype=torch.int64, device=dev),
             extras=cm.graph_extras(bs))
@@ -153,7 +151,7 @@ class DecodeGraphs:
         s = self.static
         return StepState(is_prefill=False, seqs=[None] * b, num_tokens=[1] * b, sampled=list(range(b)),
                          input_ids=s.input_ids[:b], positions=s.positions[:b], slot_mapping=s.slot_mapping[:b],
-                         block_tables=s.block_tables[:b], cache_lens=s.cache_lens[:b], host_cache_lens=[1] * b,
+                         block_tables=s.block_tables[:b], cache_lens=s.cache_lens[:b],
                          cu_seqlens_q=s.cu_seqlens_q[:b + 1], logits_indices=s.logits_indices[:b],
                          extras={k: v[:b] for k, v in s.extras.items()})
 

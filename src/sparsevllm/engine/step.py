@@ -43,7 +43,6 @@ class StepState:
     slot_mapping: torch.Tensor       # [T] pool slot of each new token, -1 = write nowhere
     block_tables: torch.Tensor       # [B, N] int32, padded with 0
     cache_lens: torch.Tensor         # [B] int32: cache length after this step's tokens are stored
-    host_cache_lens: list[int]       # the same on the host (prefill kernels size their work by it)
     cu_seqlens_q: torch.Tensor       # [B+1] int32 (prefill)
     max_seqlen_q: int = 1
     has_prefix: bool = False         # prefill: some chunk attends to earlier stored tokens

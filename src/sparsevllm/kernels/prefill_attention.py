@@ -234,52 +234,14 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     return varlen_attention_ref(q, k, v, cu_seqlens, max_seqlen, scale)
 
 
-def sdpa_with_prefix(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                     page_size: int, scale: float, seq_lens: list[int], key_lens: list[int]) -> torch.Tensor:
-    """Chunks with a stored prefix through SDPA's flash kernel: each request's keys [0, key_lens[i])
-    are gathered from the pool (one gather straight into the query-head layout, since flash's
-    lower-right causal mask takes equal head counts), then attended with the chunk's queries
-    aligned to the end of the keys. The gather moves key_len x H_q x D x 2 values per layer, small
-    next to the attention's key_len x chunk x H_q x D x 4 FLOPs."""
-    from torch.nn.attention.bias import causal_lower_right
-
-    out = torch.empty_like(q)
-    Hq, Hkv = q.shape[1], k_cache.shape[1]
-    heads = (torch.arange(Hq, device=q.device) // (Hq // Hkv)).view(1, Hq)
-    start = 0
-    for i, (n, length) in enumerate(zip(seq_lens, key_lens)):
-        pos = torch.arange(length, device=q.device)
-        slots = (block_tables[i, pos // page_size].long() * page_size + pos % page_size).view(length, 1)
-        k = k_cache[slots, heads].transpose(0, 1)[None]             # [1, H_q, length, D]
-        v = v_cache[slots, heads].transpose(0, 1)[None]
-        qi = q[start:start + n].transpose(0, 1)[None]
-        mask = causal_lower_right(n, length) if n != length else None
-        o = F.scaled_dot_product_attention(qi, k, v, attn_mask=mask, is_causal=n == length, scale=scale)
-        out[start:start + n] = o[0].transpose(0, 1)
-        start += n
-    return out
-
-
-_prefix_sdpa_broken = False
-
-
 def prefill_attention(q, k, v, k_cache, v_cache, block_tables, cu_seqlens_q, cache_lens,
                       max_seqlen_q: int, has_prefix: bool, page_size: int, scale: float,
-                      seq_lens: list[int] | None = None, key_lens: list[int] | None = None):
+                      seq_lens: list[int] | None = None):
     """Dispatcher. has_prefix is a host bool (no device sync): False when every chunk starts at 0,
-    so the chunk's own k, v are all the keys. seq_lens / key_lens: the host's chunk lengths and
-    cache lengths; with them half-precision CUDA chunks go to SDPA (the H200 ran its flash and
-    cuDNN kernels at ~1.5-2x the rate of varlen_attn and of the Triton paged kernel below)."""
-    global _prefix_sdpa_broken
+    so the chunk's own k, v are all the keys; seq_lens (host) are the chunk lengths."""
     if not has_prefix:
         return varlen_attention(q, k, v, cu_seqlens_q, max_seqlen_q, scale, seq_lens)
     if use_triton(q):
-        if key_lens is not None and q.dtype in (torch.float16, torch.bfloat16) and not _prefix_sdpa_broken:
-            try:
-                return sdpa_with_prefix(q, k_cache, v_cache, block_tables, page_size, scale, seq_lens, key_lens)
-            except (RuntimeError, TypeError, ValueError) as e:
-                _prefix_sdpa_broken = True
-                logger.warning("SDPA over a gathered prefix failed (%s); the Triton kernel runs instead", e)
         return prefill_attention_triton(q, k_cache, v_cache, block_tables, cu_seqlens_q,
                                         cache_lens, page_size, scale, max_seqlen_q)
     return prefill_attention_ref(q, k_cache, v_cache, block_tables, cu_seqlens_q, cache_lens,

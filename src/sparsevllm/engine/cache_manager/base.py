@@ -181,8 +181,7 @@ class CacheManager:
         return StepState(
             is_prefill=is_prefill, seqs=seqs, num_tokens=list(num_tokens), sampled=sampled,
             input_ids=d64[:T], positions=d64[T:2 * T], slot_mapping=d64[2 * T:3 * T],
-            block_tables=d32[2 * B + 1:].view(B, width), cache_lens=d32[:B], host_cache_lens=lens.tolist(),
-            cu_seqlens_q=d32[B:2 * B + 1],
+            block_tables=d32[2 * B + 1:].view(B, width), cache_lens=d32[:B], cu_seqlens_q=d32[B:2 * B + 1],
             max_seqlen_q=max(num_tokens), has_prefix=has_prefix, logits_indices=d64[3 * T:3 * T + S],
             feed_rows=d64[3 * T + S:] if F else None)
 
