@@ -6,8 +6,9 @@ cache_lens[i] keys (causal: query j of the chunk sees keys [0, cache_len - chunk
 
 CUDA paths: a chunk with a cached prefix goes to the Triton kernel below (flash-attention style
 online softmax, keys gathered through the block table, GQA by KV-head indexing). Chunks with no
-prefix need no table: each sequence goes to torch's scaled_dot_product_attention (cuDNN / flash
-backends; measured on the H200 at 32K: see `varlen_attention`), else to varlen_attn
+prefix need no table: each sequence goes to torch's scaled_dot_product_attention (which takes
+cuDNN's kernel on the H200: 634 TFLOP/s for one 32K causal sequence, where varlen_attn and SDPA's
+flash kernel reach 347; scripts/benchmarks/profile_prefill.py), else to varlen_attn
 (FlashAttention-2 inside PyTorch) or flash_attn.flash_attn_varlen_func, else the reference.
 """
 import inspect
@@ -215,9 +216,9 @@ _varlen_broken: set[str] = set()
 def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
                      max_seqlen: int, scale: float, seq_lens: list[int] | None = None) -> torch.Tensor:
     """Dispatcher for chunks with no prefix: the first backend present, else the reference. SDPA
-    (cuDNN / flash) comes first where the host knows the sequence lengths: on the H200 it ran a 32K
-    causal prefill at ~2x varlen_attn's rate. A backend that fails (old GPU, unsupported head size)
-    is logged once and skipped."""
+    comes first where the host knows the sequence lengths (seq_lens): on the H200 its cuDNN kernel
+    ran a 32K causal prefill at 1.8x varlen_attn's rate. A backend that fails (old GPU, unsupported
+    head size) is logged once and skipped."""
     if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
         for name, fn in (("sdpa", seq_lens is not None and _sdpa_per_sequence),
                          ("torch varlen_attn", _torch_varlen_attn and _varlen_torch),
