@@ -1,4 +1,4 @@
-"""The same long prompt (a passkey hidden in ~800 tokens of filler) through vanilla, QuEST and SnapKV.
+"""The same long prompt (a passkey hidden in ~800 tokens of filler) through vanilla, QuEST, SnapKV and OmniKV.
 
     python examples/long_context_methods.py
 """
@@ -10,7 +10,8 @@ sp = SamplingParams(temperature=0.0, max_tokens=12)
 
 for method, knobs in [("vanilla", {}),
                       ("quest", {"quest_token_budget": 256}),
-                      ("snapkv", {"snapkv_capacity": 256})]:
+                      ("snapkv", {"snapkv_capacity": 256}),
+                      ("omnikv", {"omnikv_num_selected": 64})]:
     llm = LLM(vllm_sparse_method=method, **knobs)
     out = llm.chat([{"role": "user", "content": prompt}], sp, use_tqdm=False)[0]
     print(f"{method:8s} {len(out['prompt_token_ids'])} prompt tokens -> {out['text']!r}")

@@ -17,7 +17,7 @@ def test_every_repository_path_in_the_skill_exists():
     assert paths, "the skill should name repository files"
     missing = sorted(p for p in paths if "<method>" not in p and not (ROOT / p).exists())
     assert not missing, f"skill names missing files: {missing}"
-    for ref in ("references/file-map.md", "references/quest-pattern.md"):
+    for ref in ("references/file-map.md", "references/quest-pattern.md", "references/cross-layer-pattern.md"):
         assert (SKILL / ref).exists()
 
 
