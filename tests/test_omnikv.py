@@ -232,10 +232,17 @@ def test_select_tokens_triton_matches_reference_with_ties(block, monkeypatch):
             assert torch.equal(got_t[b, 0, :int(want_l[b])], want_t[b, 0, :int(want_l[b])]), (trial, b)
 
 
-def test_select_tokens_ref_keeps_the_top_n_then_every_generated_token():
+@pytest.mark.parametrize("impl", ["ref", "triton"])
+def test_select_tokens_keeps_the_top_n_prompt_tokens_then_every_generated_token(impl):
+    """Generated positions carry scores too (a filter layer's attention reports every token) but
+    never take a prompt token's place."""
+    if impl == "triton" and CUDA:
+        pytest.skip("interpreter case")
     table = torch.arange(4, dtype=torch.int32).view(1, 4)            # page size 4: slot = position
-    scores = torch.tensor([[0.5, 2.0, 2.0, -1.0, 3.0, 0.1] + [float("-inf")] * 10])
-    t, n = ok.select_tokens_ref(scores, torch.tensor([3]), table, torch.tensor([9]), torch.tensor([6]), 4)
+    scores = torch.tensor([[0.5, 2.0, 2.0, -1.0, 3.0, 0.1, 9.0, 9.0, 9.0] + [float("-inf")] * 7])
+    fn = ok.select_tokens_ref if impl == "ref" else ok.select_tokens_triton
+    t, n = fn(scores, torch.tensor([3], dtype=torch.int32), table, torch.tensor([9], dtype=torch.int32),
+              torch.tensor([6], dtype=torch.int32), 4)
     assert int(n) == 3 + 3 and t[0, 0, :6].tolist() == [1, 2, 4, 6, 7, 8]
 
 

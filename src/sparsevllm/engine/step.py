@@ -12,12 +12,16 @@ from sparsevllm.engine.sequence import Sequence
 class DecodeView:
     """What one decode attention reads: row (b, g) covers pages table[b, g, :ceil(len / P)] of
     k_cache / v_cache. G = 1 (shared by all KV heads), H_kv (one set per KV head) or H_q (one set
-    per query head: a GQA group's query heads then read their KV head's pages separately)."""
+    per query head: a GQA group's query heads then read their KV head's pages separately).
+    token_scores (optional, G = 1): an fp32 [B, N * P] buffer, filled with -inf, that the attention
+    raises to each token's raw logit max over query heads, for a method that selects from them
+    (an OmniKV filter layer) without reading the keys again."""
     k_cache: torch.Tensor
     v_cache: torch.Tensor
     table: torch.Tensor      # [B, G, N] int32
     lengths: torch.Tensor    # [B, G] int32
     page_size: int
+    token_scores: torch.Tensor | None = None
 
 
 @dataclass

@@ -35,8 +35,13 @@ PROGRAMS_PER_SM = 4     # enough resident programs to keep HBM busy across all S
 
 def decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          table: torch.Tensor, lengths: torch.Tensor, page_size: int,
-                         scale: float) -> torch.Tensor:
-    """q: [B, H_q, D]; k_cache, v_cache: [num_slots, H_kv, D] -> out [B, H_q, D] in q's dtype."""
+                         scale: float, token_scores: torch.Tensor | None = None) -> torch.Tensor:
+    """q: [B, H_q, D]; k_cache, v_cache: [num_slots, H_kv, D] -> out [B, H_q, D] in q's dtype.
+
+    token_scores (G = 1 only): an fp32 [B, >= N * P] buffer; entry (b, t) is raised to the max over
+    query heads of row b's raw logit q . k_t * scale for every t < lengths[b] (callers fill it with
+    -inf first). A filter layer's dense attention reports its token scores this way (OmniKV)
+    instead of reading the keys a second time."""
     B, Hq, D = q.shape
     Hkv = k_cache.shape[1]
     G, N = table.shape[1], table.shape[2]
@@ -64,6 +69,9 @@ def decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     qg = q.float().view(B, Hkv, Hq // Hkv, D)
     scores = torch.einsum("bhgd,bhtd->bhgt", qg, k.float()) * scale
     scores = scores.masked_fill(~valid.unsqueeze(2), float("-inf"))
+    if token_scores is not None:
+        assert G == 1, "token_scores needs a decode view shared by all heads (G = 1)"
+        token_scores[:, :T] = torch.maximum(token_scores[:, :T], scores.amax(dim=(1, 2)))
     probs = torch.softmax(scores, dim=-1)
     out = torch.einsum("bhgt,bhtd->bhgd", probs, v.float())
     return out.reshape(B, Hq, D).to(q.dtype)
@@ -71,13 +79,14 @@ def decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
 
 @jit
 def _decode_split_kernel(
-        q_ptr, k_ptr, v_ptr, table_ptr, len_ptr, mid_o_ptr, mid_lse_ptr, out_ptr, qk_scale,
+        q_ptr, k_ptr, v_ptr, table_ptr, len_ptr, mid_o_ptr, mid_lse_ptr, out_ptr, tok_ptr, qk_scale,
         stride_qb, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh,
         stride_tb, stride_tg, stride_lb, stride_lg,
-        stride_ob, stride_oh, stride_os, stride_lseb, stride_lseh, stride_outb, stride_outh, NUM_SPLITS,
+        stride_ob, stride_oh, stride_os, stride_lseb, stride_lseh, stride_outb, stride_outh, stride_tokb,
+        NUM_SPLITS,
         QG: tl.constexpr, KV_DIV: tl.constexpr, P: tl.constexpr, HEAD_DIM: tl.constexpr,
         BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-        UPCAST: tl.constexpr, DOT_PREC: tl.constexpr, DIRECT: tl.constexpr):
+        UPCAST: tl.constexpr, DOT_PREC: tl.constexpr, DIRECT: tl.constexpr, TOKEN_SCORES: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)        # the view row: a KV head (QG query heads), or a query head (QG = 1)
     split = tl.program_id(2)
@@ -131,6 +140,9 @@ def _decode_split_kernel(
             v = v.to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale   # log2 domain
         s = tl.where(tok_ok[None, :], s, float("-inf"))
+        if TOKEN_SCORES:   # max over this KV group's heads; other groups' programs fold in theirs
+            best = tl.max(tl.where(row_ok[:, None], s, float("-inf")), 0) * 0.6931471805599453
+            tl.atomic_max(tok_ptr + b * stride_tokb + toks, best, mask=tok_ok)
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
@@ -188,8 +200,8 @@ def num_splits(batch: int, num_kv_heads: int, table_width: int, page_size: int,
 
 def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             table: torch.Tensor, lengths: torch.Tensor, page_size: int,
-                            scale: float) -> torch.Tensor:
-    """Same contract as decode_attention_ref."""
+                            scale: float, token_scores: torch.Tensor | None = None) -> torch.Tensor:
+    """Same contract as decode_attention_ref. token_scores are folded in with fp32 atomic max."""
     B, Hq, D = q.shape
     Hkv = k_cache.shape[1]
     G, N = table.shape[1], table.shape[2]
@@ -207,19 +219,23 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     mid_o = torch.empty(B, Hq, 1 if direct else S, D, dtype=torch.float32, device=q.device)
     mid_lse = torch.empty(B, Hq, 1 if direct else S, dtype=torch.float32, device=q.device)
     upcast = upcast_loads(q.dtype)
+    if token_scores is not None:
+        assert G == 1 and token_scores.dtype == torch.float32 and token_scores.stride(-1) == 1
+        assert token_scores.shape[0] == B and token_scores.shape[1] >= N * page_size
     stride_tg = table.stride(1) if G > 1 else 0
     stride_lg = lengths.stride(1) if G > 1 else 0
     BLOCK_D = pow2(D)
     _decode_split_kernel[(B, rows, S)](
-        q, k_cache, v_cache, table, lengths, mid_o, mid_lse, out, scale * 1.4426950408889634,
+        q, k_cache, v_cache, table, lengths, mid_o, mid_lse, out,
+        token_scores if token_scores is not None else out, scale * 1.4426950408889634,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         v_cache.stride(0), v_cache.stride(1),
         table.stride(0), stride_tg, lengths.stride(0), stride_lg,
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
-        out.stride(0), out.stride(1),
+        out.stride(0), out.stride(1), token_scores.stride(0) if token_scores is not None else 0,
         S, QG=QG, KV_DIV=Hq // Hkv if per_query_head else 1, P=P, HEAD_DIM=D, BLOCK_D=BLOCK_D,
         BLOCK_H=max(16, pow2(QG)), BLOCK_N=BLOCK_N,
-        UPCAST=upcast, DOT_PREC=dot_precision(q.dtype), DIRECT=direct,
+        UPCAST=upcast, DOT_PREC=dot_precision(q.dtype), DIRECT=direct, TOKEN_SCORES=token_scores is not None,
         num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     if direct:
         return out
@@ -230,7 +246,7 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     return out
 
 
-def decode_attention(q, k_cache, v_cache, table, lengths, page_size, scale):
+def decode_attention(q, k_cache, v_cache, table, lengths, page_size, scale, token_scores=None):
     if use_triton(q):
-        return decode_attention_triton(q, k_cache, v_cache, table, lengths, page_size, scale)
-    return decode_attention_ref(q, k_cache, v_cache, table, lengths, page_size, scale)
+        return decode_attention_triton(q, k_cache, v_cache, table, lengths, page_size, scale, token_scores)
+    return decode_attention_ref(q, k_cache, v_cache, table, lengths, page_size, scale, token_scores)

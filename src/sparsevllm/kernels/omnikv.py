@@ -164,15 +164,18 @@ def omnikv_scores(q, k_cache, block_tables, cache_lens, prompt_lens, page_size, 
 def select_tokens_ref(scores: torch.Tensor, keep: torch.Tensor, block_tables: torch.Tensor,
                       cache_lens: torch.Tensor, prompt_lens: torch.Tensor,
                       page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """scores: [B, T] fp32 (T = N * P, -inf past the prompt); keep, cache_lens, prompt_lens: [B] int
-    -> (table [B, 1, T] int32 of slots, lengths [B, 1] int32). keep[b] <= prompt_lens[b]."""
+    """scores: [B, T] fp32 (T = N * P; entries past the prompt are ignored); keep, cache_lens,
+    prompt_lens: [B] int -> (table [B, 1, T] int32 of slots, lengths [B, 1] int32); keep is
+    clamped to the prompt length."""
     B, T = scores.shape
     pos = torch.arange(T, device=scores.device)
-    # Rank by score, ties to the earlier position: a stable sort of the descending scores.
-    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices
-    rank = torch.empty_like(order).scatter_(1, order, pos.expand(B, T).contiguous())
     plen = torch.minimum(prompt_lens, cache_lens).long().view(B, 1)
-    chosen = (rank < keep.long().view(B, 1)) & (pos < plen)
+    # Rank the prompt positions by score, ties to the earlier position: a stable sort of the
+    # descending scores (positions past the prompt may hold scores too; they never compete).
+    order = torch.sort(scores.masked_fill(pos >= plen, float("-inf")), dim=-1, descending=True,
+                       stable=True).indices
+    rank = torch.empty_like(order).scatter_(1, order, pos.expand(B, T).contiguous())
+    chosen = (rank < torch.minimum(keep.long().view(B, 1), plen)) & (pos < plen)
     generated = (pos >= plen) & (pos < cache_lens.long().view(B, 1))
     attended = chosen | generated
     # Attended positions first, in logical order (a stable sort of "not attended").

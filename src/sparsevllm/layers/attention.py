@@ -36,4 +36,4 @@ class Attention(nn.Module):
                                      self.scale, step.num_tokens)
         view = cm.build_decode_view(self.layer_id, q, step)
         return decode_attention(q, view.k_cache, view.v_cache, view.table, view.lengths, view.page_size,
-                                self.scale)
+                                self.scale, view.token_scores)

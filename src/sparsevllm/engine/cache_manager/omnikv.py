@@ -121,14 +121,15 @@ class OmniKVCacheManager(CacheManager):
 
     @classmethod
     def decode_kv_tokens_read(cls, config: EngineConfig, num_layers: int, prompt_len: int, cache_len: int) -> float:
-        """Dense layers read the whole cache; each filter layer also reads the prompt's keys once
-        more to score them (half a token's K + V each); sparse layers read the kept prompt tokens
-        and every generated one."""
+        """Dense layers read the whole cache (a filter layer's scores with the default selector come
+        out of its own attention; softmax_max reads the prompt's keys twice more: half a token's
+        K + V each time); sparse layers read the kept prompt tokens and every generated one."""
         knobs = config.method_config
         filters = knobs.omnikv_filter_layers or default_filter_layers(num_layers)
         roles = layer_roles(num_layers, filters, knobs.omnikv_wait_layers)
         kept = knobs.num_kept(prompt_len) + cache_len - prompt_len
-        total = sum(cache_len + (prompt_len / 2 if role == "filter" else 0) if role != "sparse" else kept
+        scoring = prompt_len if knobs.omnikv_selector == "softmax_max" else 0
+        total = sum(kept if role == "sparse" else cache_len + (scoring if role == "filter" else 0)
                     for role, _ in roles)
         return total / num_layers
 
@@ -154,12 +155,26 @@ class OmniKVCacheManager(CacheManager):
             return super().build_decode_view(layer_id, q, step)
         controller = get_forward_context().controller
         if role == "filter":
-            scores = omnikv_scores(q, self.pool.layer(layer_id)[0], step.block_tables, step.cache_lens,
-                                   step.extras["omnikv_prompt_lens"], self.page_size, self.scale, self.selector)
-            controller.put(f"omnikv.{layer_id}", select_tokens(
-                scores, step.extras["omnikv_keep"], step.block_tables, step.cache_lens,
-                step.extras["omnikv_prompt_lens"], self.page_size))
-            return super().build_decode_view(layer_id, q, step)
-        table, lengths = controller.get(f"omnikv.{source}")
+            view = super().build_decode_view(layer_id, q, step)
+            if self.selector == "last":
+                # The filter layer's own dense attention computes every q . k anyway: it reports the
+                # max over heads per token instead of a scoring pass reading the keys again.
+                view.token_scores = torch.full((q.shape[0], step.block_tables.shape[1] * self.page_size),
+                                               float("-inf"), dtype=torch.float32, device=q.device)
+                scores = view.token_scores
+            else:
+                scores = omnikv_scores(q, self.pool.layer(layer_id)[0], step.block_tables, step.cache_lens,
+                                       step.extras["omnikv_prompt_lens"], self.page_size, self.scale,
+                                       self.selector)
+            controller.put(f"omnikv.{layer_id}", scores)
+            return view
+        # The first sparse layer after a filter layer selects (its scores are complete by now);
+        # the others reuse the selection.
+        selection = controller.get(f"omnikv.{source}")
+        if isinstance(selection, torch.Tensor):
+            selection = select_tokens(selection, step.extras["omnikv_keep"], step.block_tables, step.cache_lens,
+                                      step.extras["omnikv_prompt_lens"], self.page_size)
+            controller.put(f"omnikv.{source}", selection)
+        table, lengths = selection
         k_cache, v_cache = self.pool.layer(layer_id)
         return DecodeView(k_cache, v_cache, table, lengths, 1)
