@@ -29,7 +29,7 @@ def generate(llm, ps, params):
     outs = llm.generate(ps, params, use_tqdm=False)
     assert llm.engine.cache_manager.allocator.is_idle(), "KV pages leaked"
     assert llm.engine._in_flight is None and not llm.engine.has_work()
-    return [(o["token_ids"], o["finish_reason"], o["error"]) for o in outs]
+    return [(o.outputs[0].token_ids, o.outputs[0].finish_reason, o.error) for o in outs]
 
 
 def watch_feeds(llm):

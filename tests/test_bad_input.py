@@ -60,10 +60,10 @@ def test_prompt_too_long_and_empty_prompt_fail_alone(tiny_model):
     llm = LLM(tiny_model("llama"), max_model_len=64)
     sp = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     outs = llm.generate([[5, 6, 7], list(range(3, 100)), [], [9, 10]], sp, use_tqdm=False)
-    assert [o["finish_reason"] for o in outs] == ["length", "error", "error", "length"]
-    assert "max_model_len=64" in outs[1]["error"]
-    assert "empty prompt" in outs[2]["error"]
-    assert len(outs[0]["token_ids"]) == 4 and len(outs[3]["token_ids"]) == 4
+    assert [o.outputs[0].finish_reason for o in outs] == ["length", "error", "error", "length"]
+    assert "max_model_len=64" in outs[1].error
+    assert "empty prompt" in outs[2].error
+    assert len(outs[0].outputs[0].token_ids) == 4 and len(outs[3].outputs[0].token_ids) == 4
     assert llm.engine.cache_manager.allocator.is_idle()
 
 
@@ -71,12 +71,12 @@ def test_request_larger_than_kv_pool_fails_alone(tiny_model):
     llm = LLM(tiny_model("llama"), num_kv_pages=4, page_size=16)
     sp = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     outs = llm.generate([list(range(3, 200)), [5, 6, 7]], sp, use_tqdm=False)
-    assert outs[0]["finish_reason"] == "error" and "num_kv_pages" in outs[0]["error"]
-    assert outs[1]["finish_reason"] == "length"
+    assert outs[0].outputs[0].finish_reason == "error" and "num_kv_pages" in outs[0].error
+    assert outs[1].outputs[0].finish_reason == "length"
     # One that fits at admission but outgrows the pool while decoding also fails alone.
     sp_long = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
     out = llm.generate([list(range(3, 40))], sp_long, use_tqdm=False)[0]
-    assert out["finish_reason"] == "error" and "no longer fits" in out["error"]
+    assert out.outputs[0].finish_reason == "error" and "no longer fits" in out.error
     assert llm.engine.cache_manager.allocator.is_idle()
 
 
@@ -105,7 +105,7 @@ def test_missing_weights_is_reported(tmp_path, tiny_model):
     with pytest.raises(ValueError, match="no \\*.safetensors weights.*load_format='dummy'"):
         LLM(str(tmp_path))
     assert LLM(str(tmp_path), load_format="dummy").generate([[1, 2, 3]], SamplingParams(max_tokens=2),
-                                                            use_tqdm=False)[0]["finish_reason"] in ("length", "stop")
+                                                            use_tqdm=False)[0].outputs[0].finish_reason in ("length", "stop")
 
 
 def test_string_prompt_without_tokenizer_is_explained(tiny_model):

@@ -11,13 +11,13 @@ def llm():
 
 def test_capital_of_france_continues_with_paris(llm):
     out = llm.generate(["The capital of France is"], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
-    assert "Paris" in out[0]["text"]
+    assert "Paris" in out[0].outputs[0].text
 
 
 def test_chat_question_gets_a_sensible_answer(llm):
     out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
                    SamplingParams(temperature=0.0, max_tokens=24), use_tqdm=False)[0]
-    assert "Paris" in out["text"] and out["finish_reason"] == "stop"
+    assert "Paris" in out.outputs[0].text and out.outputs[0].finish_reason == "stop"
 
 
 def test_named_default_model_is_the_same(llm):

@@ -14,7 +14,7 @@ def prompts(n=5, base=60):
 def run(llm, ps, sp=GREEDY):
     outs = llm.generate(ps, sp, use_tqdm=False)
     assert llm.engine.cache_manager.allocator.is_idle()
-    return [o["token_ids"] for o in outs]
+    return [o.outputs[0].token_ids for o in outs]
 
 
 @pytest.fixture(scope="module")
@@ -81,17 +81,17 @@ def test_max_tokens_eos_and_stop_tokens(model, reference):
     p = prompts(1)[0]
     full = reference[0]
     out = llm.generate(p, SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True), use_tqdm=False)[0]
-    assert out["token_ids"] == full[:3] and out["finish_reason"] == "length"
+    assert out.outputs[0].token_ids == full[:3] and out.outputs[0].finish_reason == "length"
     stop = full[4]
     out = llm.generate(p, SamplingParams(temperature=0.0, max_tokens=10, stop_token_ids=[stop]), use_tqdm=False)[0]
-    assert out["token_ids"] == full[:full.index(stop) + 1] and out["finish_reason"] == "stop"
+    assert out.outputs[0].token_ids == full[:full.index(stop) + 1] and out.outputs[0].finish_reason == "stop"
     llm.engine.eos_token_ids = {full[2]}
     out = llm.generate(p, SamplingParams(temperature=0.0, max_tokens=10), use_tqdm=False)[0]
-    assert out["token_ids"] == full[:full.index(full[2]) + 1] and out["finish_reason"] == "stop"
+    assert out.outputs[0].token_ids == full[:full.index(full[2]) + 1] and out.outputs[0].finish_reason == "stop"
 
 
 def test_max_model_len_stops_generation(model, reference):
     p = prompts(1)[0]
     llm = LLM(model, max_model_len=len(p) + 4)
     out = llm.generate(p, GREEDY, use_tqdm=False)[0]
-    assert out["token_ids"] == reference[0][:4] and out["finish_reason"] == "length"
+    assert out.outputs[0].token_ids == reference[0][:4] and out.outputs[0].finish_reason == "length"

@@ -22,7 +22,7 @@ def test_gpu_fp32_equals_cpu(tiny_model, arch):
     gpu_llm = LLM(path, device="cuda", dtype="float32", max_num_seqs=8)
     assert gpu_llm.execution_mode == "cuda_graph"
     gpu = gpu_llm.generate(ps, GREEDY, use_tqdm=False)
-    assert [o["token_ids"] for o in gpu] == [o["token_ids"] for o in cpu]
+    assert [o.outputs[0].token_ids for o in gpu] == [o.outputs[0].token_ids for o in cpu]
     assert gpu_llm.engine.cache_manager.allocator.is_idle()
 
 
@@ -35,8 +35,8 @@ def test_graph_replay_equals_eager_for_every_bucket(tiny_model, page_size):
     assert graph.engine.model_runner.graphs.buckets == [1, 2, 4, 8, 16]
     for n in (1, 2, 3, 4, 7, 8, 13, 16):  # every bucket, full and padded
         ps = prompts(n, base=20)
-        a = [o["token_ids"] for o in eager.generate(ps, GREEDY, use_tqdm=False)]
-        b = [o["token_ids"] for o in graph.generate(ps, GREEDY, use_tqdm=False)]
+        a = [o.outputs[0].token_ids for o in eager.generate(ps, GREEDY, use_tqdm=False)]
+        b = [o.outputs[0].token_ids for o in graph.generate(ps, GREEDY, use_tqdm=False)]
         assert a == b, f"batch {n}"
 
 
@@ -57,7 +57,7 @@ def test_bf16_graphs_with_chunked_prefill_and_prefix_cache(tiny_model):
     llm = LLM(path, device="cuda", chunk_prefill_size=32, max_num_batched_tokens=64)
     assert llm.engine.model_runner.dtype == torch.bfloat16
     ps = prompts(6, base=100)
-    first = [o["token_ids"] for o in llm.generate(ps, GREEDY, use_tqdm=False)]
-    again = [o["token_ids"] for o in llm.generate(ps, GREEDY, use_tqdm=False)]  # prefix-cache hits
+    first = [o.outputs[0].token_ids for o in llm.generate(ps, GREEDY, use_tqdm=False)]
+    again = [o.outputs[0].token_ids for o in llm.generate(ps, GREEDY, use_tqdm=False)]  # prefix-cache hits
     assert first == again
     assert llm.engine.cache_manager.allocator.is_idle()

@@ -27,9 +27,9 @@ def test_greedy_matches_transformers_batch_1_and_batched(tiny_model, arch):
     llm = LLM(path, page_size=4)
     sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     expected = [hf_greedy(path, p, 12) for p in PROMPTS]
-    assert llm.generate(PROMPTS[0], sp, use_tqdm=False)[0]["token_ids"] == expected[0]
+    assert llm.generate(PROMPTS[0], sp, use_tqdm=False)[0].outputs[0].token_ids == expected[0]
     outs = llm.generate(PROMPTS, sp, use_tqdm=False)
-    assert [o["token_ids"] for o in outs] == expected
+    assert [o.outputs[0].token_ids for o in outs] == expected
     assert llm.engine.cache_manager.allocator.is_idle()
 
 
@@ -51,7 +51,7 @@ def test_llama3_rope_scaling_matches_transformers(tiny_model):
     llm = LLM(path)
     prompt = list(range(3, 120))
     sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-    assert llm.generate(prompt, sp, use_tqdm=False)[0]["token_ids"] == hf_greedy(path, prompt, 8)
+    assert llm.generate(prompt, sp, use_tqdm=False)[0].outputs[0].token_ids == hf_greedy(path, prompt, 8)
 
 
 def test_sharded_checkpoint_loads_like_a_single_file(tmp_path):
@@ -60,4 +60,4 @@ def test_sharded_checkpoint_loads_like_a_single_file(tmp_path):
     import os
     assert os.path.exists(os.path.join(path, "model.safetensors.index.json"))
     sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-    assert LLM(path).generate(PROMPTS[0], sp, use_tqdm=False)[0]["token_ids"] == hf_greedy(path, PROMPTS[0], 8)
+    assert LLM(path).generate(PROMPTS[0], sp, use_tqdm=False)[0].outputs[0].token_ids == hf_greedy(path, PROMPTS[0], 8)

@@ -39,7 +39,7 @@ def model(tiny_model, arch="llama"):
 def run(llm, ps, sp=GREEDY):
     outs = llm.generate(ps, sp, use_tqdm=False)
     assert llm.engine.cache_manager.allocator.is_idle()
-    return [o["token_ids"] for o in outs]
+    return [o.outputs[0].token_ids for o in outs]
 
 
 # ---------------------------------------------------------------- the naive oracle

@@ -36,7 +36,7 @@ def prompts(lengths, seed=0):
 
 
 def token_ids(outs):
-    return [o["token_ids"] for o in outs]
+    return [o.outputs[0].token_ids for o in outs]
 
 
 def graph_shaped(llm):
@@ -172,7 +172,7 @@ def test_quest_selection_equals_oracle_and_is_causal(tiny_model, arch, selection
     check_decode_views(graph_shaped(llm), log)
     outs = llm.generate(ps, GREEDY, use_tqdm=False)
     assert log["sparse"] > 20 and log["dense"] >= 3     # rows: 12 + 9 + 12 sparse, 3 dense
-    assert all(o["finish_reason"] == "length" and len(o["token_ids"]) == GREEDY.max_tokens for o in outs)
+    assert all(o.outputs[0].finish_reason == "length" and len(o.outputs[0].token_ids) == GREEDY.max_tokens for o in outs)
     # A budget below the context changes the long request's output (valid tokens, different ones).
     want = token_ids(LLM(path, device="cpu").generate(ps, GREEDY, use_tqdm=False))
     assert token_ids(outs)[0] != want[0]

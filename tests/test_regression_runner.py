@@ -9,6 +9,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from sparsevllm.outputs import CompletionOutput, RequestOutput
+
 sys.path.insert(0, os.path.dirname(__file__))
 from test_regression_fixtures import build_tiny_llama, build_tokenizer  # noqa: E402
 
@@ -40,10 +42,10 @@ class FakeLLM:
             assert sp.temperature == 0.0
             answers, index = self.answers[tuple(ids)]
             text = "I do not know." if self.lossy and index % 2 == 0 else " " + ", ".join(answers)
-            outs.append({"text": text, "token_ids": [1, 2], "prompt_token_ids": ids,
-                         "finish_reason": "stop", "error": None,
-                         "metrics": {"arrival_time": 0.0, "first_token_time": 0.5,
-                                     "finish_time": 1.0, "token_times": [0.5, 1.0]}})
+            outs.append(RequestOutput(
+                request_id=str(index), prompt=None, prompt_token_ids=ids, prompt_logprobs=None,
+                outputs=[CompletionOutput(0, text, [1, 2], None, None, "stop")], finished=True,
+                metrics={"arrival_time": 0.0, "first_token_time": 0.5, "finish_time": 1.0, "token_times": [0.5, 1.0]}))
         return outs
 
     def teacher_forced_logprobs(self, prompts, continuations, use_tqdm=True):

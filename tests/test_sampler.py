@@ -35,8 +35,8 @@ def test_seeded_requests_are_reproducible_across_batches(tiny_model):
     llm = LLM(tiny_model("llama"))
     sp = SamplingParams(temperature=1.0, max_tokens=12, seed=1234, ignore_eos=True)
     other = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)
-    alone = llm.generate([[5, 6, 7, 8]], sp, use_tqdm=False)[0]["token_ids"]
-    batched = llm.generate([[9, 9, 9], [5, 6, 7, 8], [1, 2]], [other, sp, other], use_tqdm=False)[1]["token_ids"]
+    alone = llm.generate([[5, 6, 7, 8]], sp, use_tqdm=False)[0].outputs[0].token_ids
+    batched = llm.generate([[9, 9, 9], [5, 6, 7, 8], [1, 2]], [other, sp, other], use_tqdm=False)[1].outputs[0].token_ids
     assert alone == batched
     unseeded = llm.generate([[5, 6, 7, 8]] * 3, other, use_tqdm=False)
-    assert len({tuple(o["token_ids"]) for o in unseeded}) > 1
+    assert len({tuple(o.outputs[0].token_ids) for o in unseeded}) > 1

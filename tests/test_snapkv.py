@@ -37,7 +37,7 @@ def prompts(n=3, base=150, step=23):
 def run(llm, ps, sp=GREEDY):
     outs = llm.generate(ps, sp, use_tqdm=False)
     assert llm.engine.cache_manager.allocator.is_idle()
-    return [o["token_ids"] for o in outs]
+    return [o.outputs[0].token_ids for o in outs]
 
 
 def spy_chunks(cm):

@@ -108,6 +108,20 @@ def _jsonable(obj):
     return str(obj)
 
 
+def copy_bandwidth() -> float:
+    """Bytes read + written per second by a 256 MiB copy on this machine's CPU (the best of 3): the
+    roofline's bandwidth when a case runs without a GPU."""
+    import torch
+    src = torch.ones(64 << 20, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(3):
+        t = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t)
+    return 2 * src.nbytes / best
+
+
 def environment() -> dict:
     import torch
     env = {"python": platform.python_version(), "torch": torch.__version__, "gpu": None}
@@ -171,6 +185,8 @@ def run_engine_case(case: dict) -> dict:
     llm = LLM(case["model_dir"], vllm_sparse_method=case["method"], **case["engine_kwargs"])
     result = {"resolved_config": _jsonable(llm.config), "execution_mode": llm.execution_mode,
               "dtype": _resolved_dtype(llm)}
+    if not torch.cuda.is_available():
+        result["measured_copy_bw"] = copy_bandwidth()
     accounting = llm.memory_accounting()
     stored = case.get("kv_tokens_stored")
     if stored is not None and "num_pages" in accounting:
@@ -192,13 +208,13 @@ def run_engine_case(case: dict) -> dict:
         params = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=n) for n in out_lens]
         start = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
-        errors = [o.get("error") for o in outs if o.get("finish_reason") == "error"]
+        errors = [o.error for o in outs if o.outputs[0].finish_reason == "error"]
         if errors:
             raise RuntimeError(f"{len(errors)} of {len(outs)} requests failed: {errors[0]}")
-        ms = [o["metrics"] for o in outs]
+        ms = [o.metrics for o in outs]
         runs.append(timing_metrics(start, [m["first_token_time"] for m in ms], [m["finish_time"] for m in ms],
                                    [m["token_times"] for m in ms], case["batch"], case["length"]))
-        decoded.append(sum(len(o["token_ids"]) for o in outs))
+        decoded.append(sum(len(o.outputs[0].token_ids) for o in outs))
     result.update(median_metrics(runs))
     result.update(decoded_tokens=decoded[-1], expected_decoded_tokens=sum(out_lens),
                   memory_accounting=_jsonable(accounting), memory_accounting_peak=peak or None, **_memory(torch))
@@ -254,6 +270,8 @@ def run_hf_case(case: dict) -> dict:
     result = {"resolved_config": {"model": case["model_dir"], "dtype": str(dtype), "attn_implementation": "sdpa",
                                   "device": device, "transformers_generate": True},
               "execution_mode": "eager", "dtype": str(dtype).replace("torch.", ""), "memory_accounting": None}
+    if device == "cpu":
+        result["measured_copy_bw"] = copy_bandwidth()
     result.update(median_metrics(runs))
     result.update(decoded_tokens=decoded, expected_decoded_tokens=case["batch"] * case["output_len"],
                   **_memory(torch))

@@ -92,8 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--baseline", choices=BASELINES, default=None,
                    help="also run Hugging Face transformers generate (SDPA, random weights, same prompts) as "
                         "method 'hf'")
-    p.add_argument("--hbm_bw", type=float, default=bench_roofline.DEFAULT_HBM_BW,
-                   help="memory bandwidth in bytes/s for the roofline; the default is the H200's measured copy rate")
+    p.add_argument("--hbm_bw", type=float, default=None,
+                   help="memory bandwidth in bytes/s for the roofline; by default the H200's measured copy rate "
+                        f"({bench_roofline.DEFAULT_HBM_BW:.3g}) on a GPU, and on a CPU a copy rate measured there")
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic prompts")
     p.add_argument("--case_timeout", type=float, default=3600.0,
                    help="seconds after which a case's process is killed and recorded as failed")
@@ -125,7 +126,7 @@ def validate(args) -> dict:
         raise ValueError(f"--output_len {args.output_len} is invalid; it must be >= 1")
     if args.repeat < 1:
         raise ValueError(f"--repeat {args.repeat} is invalid; it must be >= 1")
-    if args.hbm_bw <= 0:
+    if args.hbm_bw is not None and args.hbm_bw <= 0:
         raise ValueError(f"--hbm_bw {args.hbm_bw} is invalid; it must be a positive bytes/s figure")
     try:
         knobs = json.loads(args.hyper_params)
@@ -260,9 +261,11 @@ def make_row(case: dict, result: dict, args, plan: dict) -> dict:
     for key in bench_case.METRIC_KEYS:
         row.setdefault(key, None)
     resolved = case["resolved_knobs"]
+    bw = args.hbm_bw or (bench_roofline.DEFAULT_HBM_BW if (result.get("environment") or {}).get("gpu")
+                         else result.get("measured_copy_bw") or bench_roofline.DEFAULT_HBM_BW)
     roof = bench_roofline.roofline(case["model_config"], _dtype_bytes(result, resolved),
                                    kv_read_model(plan, case["method"]), case["batch"], case["length"],
-                                   case["output_len"], args.hbm_bw)
+                                   case["output_len"], bw)
     row.update(roof)
     dec = row.get("decode_tok_s")
     row["roofline_fraction"] = dec / roof["roofline_tok_s"] if dec else None
@@ -320,7 +323,8 @@ def run_sweep(args, plan: dict) -> list[dict]:
     header = {"run": run_id, "model": args.model_path, "gpu": env.get("gpu") or "none (CPU)",
               "dtype": next((r.get("dtype") for r in rows if r.get("dtype")), "-"),
               "output_len": args.output_len, "repeat": args.repeat, "enforce_eager": args.enforce_eager,
-              "hyper_params": args.hyper_params, "hbm_bw (B/s)": f"{args.hbm_bw:.3g}",
+              "hyper_params": args.hyper_params,
+              "hbm_bw (B/s)": ", ".join(sorted({f"{r['hbm_bw']:.3g}" for r in rows})) or "-",
               "versions": ", ".join(f"{k} {env.get(k)}" for k in ("torch", "triton", "transformers", "sparsevllm")),
               "command": f"`{rows[0]['command']}`" if rows else "-"}
     with open(os.path.join(args.out_dir, "summary.md"), "w") as f:

@@ -2,25 +2,37 @@
 import argparse
 import json
 import logging
+import sys
 import time
 
 from sparsevllm import LLM, SamplingParams, available_methods
 
 
-def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m sparsevllm", description=__doc__)
-    ap.add_argument("prompts", nargs="*", default=["The capital of France is"],
-                    help="prompts (default: 'The capital of France is')")
-    ap.add_argument("--model", default=None, help="HF model folder (default: the embedded SmolLM2-135M-Instruct)")
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m sparsevllm", description=__doc__,
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("prompts", nargs="*", default=["The capital of France is"], help="prompts")
+    ap.add_argument("--model", default=None,
+                    help="HF model folder (None: the embedded SmolLM2-135M-Instruct)")
     ap.add_argument("--method", default="vanilla", help=f"sparse method: {', '.join(available_methods())}")
     ap.add_argument("--chat", action="store_true", help="wrap each prompt as a user turn of the chat template")
-    ap.add_argument("--max_tokens", type=int, default=32)
-    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--max_tokens", type=int, default=32, help="tokens to generate per prompt")
+    ap.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
     ap.add_argument("--hyper_params", default="{}", help="JSON of engine and method knobs, e.g. '{\"page_size\": 16}'")
     args = ap.parse_args(argv)
-    logging.basicConfig(level=logging.WARNING)
-    llm = LLM(args.model, vllm_sparse_method=args.method, **json.loads(args.hyper_params))
-    sp = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        knobs = json.loads(args.hyper_params)
+    except json.JSONDecodeError as e:
+        ap.error(f"--hyper_params is not valid JSON ({e}): {args.hyper_params!r}")
+    if not isinstance(knobs, dict):
+        ap.error(f"--hyper_params must be a JSON object of knob: value, got {args.hyper_params!r}")
+    try:
+        llm = LLM(args.model, vllm_sparse_method=args.method, **knobs)
+        sp = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
+    except (ValueError, TypeError) as e:   # a user's mistake: the message, not a traceback
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     t0 = time.perf_counter()
     if args.chat:
         outs = llm.chat([[{"role": "user", "content": p}] for p in args.prompts], sp, use_tqdm=False)
@@ -28,11 +40,12 @@ def main(argv=None) -> None:
         outs = llm.generate(args.prompts, sp, use_tqdm=False)
     elapsed = time.perf_counter() - t0
     for prompt, out in zip(args.prompts, outs):
-        print(f"--- {prompt!r}\n{out['text'] if not out['error'] else 'ERROR: ' + out['error']}")
-    n = sum(len(o["token_ids"]) for o in outs)
+        print(f"--- {prompt!r}\n{out.outputs[0].text if not out.error else 'ERROR: ' + out.error}")
+    n = sum(len(o.outputs[0].token_ids) for o in outs)
     print(f"[{args.method}, {llm.execution_mode}, {llm.engine.model_runner.device}] "
           f"{n} tokens in {elapsed:.2f} s")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

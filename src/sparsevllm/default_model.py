@@ -121,7 +121,9 @@ def ensure_default_model() -> Path:
     gguf_path = find_gguf()
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=final.name + ".tmp-", dir=final.parent))
-    logger.info("Converting %s to a Hugging Face folder (one-time, cached at %s)", gguf_path, final)
+    # A warning, so a first run says why it pauses (~20 s on a laptop) without any logging set up.
+    logger.warning("Converting the default model %s to a Hugging Face folder (once; cached at %s)", gguf_path.name,
+                   final)
     start = time.perf_counter()
     try:
         convert_gguf(gguf_path, tmp)

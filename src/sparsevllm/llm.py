@@ -5,6 +5,7 @@ import torch
 
 from sparsevllm.engine.llm_engine import LLMEngine
 from sparsevllm.method_registry import make_config
+from sparsevllm.outputs import RequestOutput
 from sparsevllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -36,7 +37,7 @@ class LLM:
         return list(prompts)
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[dict]:
+                 use_tqdm: bool = True) -> list[RequestOutput]:
         prompts = self._as_list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
@@ -47,7 +48,7 @@ class LLM:
         self.engine.run(seqs, use_tqdm)
         return [self.engine.output(s) for s in seqs]
 
-    def chat(self, messages, sampling_params=None, use_tqdm: bool = True) -> list[dict]:
+    def chat(self, messages, sampling_params=None, use_tqdm: bool = True) -> list[RequestOutput]:
         """messages: one conversation (a list of {"role", "content"} dicts) or a list of them."""
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("this model's tokenizer has no chat template; use generate() with a plain prompt")
@@ -68,10 +69,10 @@ class LLM:
         for prompt, cont in zip(prompts, continuations):
             sp = SamplingParams(temperature=0.0, max_tokens=len(cont), ignore_eos=True)
             seq = self.engine.add_request(prompt, sp)
-            seq.forced_token_ids, seq.logprobs = list(cont), []
+            seq.forced_token_ids, seq.full_logprobs = list(cont), []
             seqs.append(seq)
         self.engine.run(seqs, use_tqdm, desc="teacher forcing")
         for s in seqs:
             if s.error:
                 raise ValueError(f"teacher forcing failed: {s.error}")
-        return [torch.stack(s.logprobs) for s in seqs]
+        return [torch.stack(s.full_logprobs) for s in seqs]

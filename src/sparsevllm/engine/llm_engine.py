@@ -9,50 +9,19 @@ from tqdm.auto import tqdm
 
 from sparsevllm.config import EngineConfig
 from sparsevllm.engine.model_runner import ModelRunner
+from sparsevllm.engine.output_processor import OutputProcessor
+from sparsevllm.engine.sampling import SampledStep, position_logprobs, sample_step
 from sparsevllm.engine.scheduler import Scheduler
 from sparsevllm.engine.sequence import Sequence
-from sparsevllm.engine.staging import to_device
-from sparsevllm.layers.sampler import sample
 from sparsevllm.method_registry import get_method
-from sparsevllm.models.config import ModelConfig
+from sparsevllm.models.config import ModelConfig, config_architecture, read_config_json
 from sparsevllm.models.registry import get_model_class
+from sparsevllm.outputs import RequestOutput
 from sparsevllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
-
-
-class _Launched:
-    """A step whose forward and sampling are issued: its sampled tokens (one per request in seqs)
-    are on the device and on their way to pinned host memory."""
-
-    def __init__(self, seqs: list[Sequence], tokens: torch.Tensor | None, logprobs: torch.Tensor | None,
-                 num_tokens: int):
-        self.seqs, self.device_tokens, self.num_tokens = seqs, tokens, num_tokens
-        self.rows = {s.seq_id: j for j, s in enumerate(seqs)}
-        self._tokens = self._logprobs = self._ready = None
-        if tokens is None:
-            return
-        if tokens.is_cuda:
-            self._tokens = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-            self._tokens.copy_(tokens, non_blocking=True)
-            if logprobs is not None:
-                self._logprobs = torch.empty(logprobs.shape, dtype=logprobs.dtype, pin_memory=True)
-                self._logprobs.copy_(logprobs, non_blocking=True)
-            self._ready = torch.cuda.Event()
-            self._ready.record()
-        else:
-            self._tokens, self._logprobs = tokens, logprobs
-
-    def host_tokens(self) -> torch.Tensor:
-        if self._ready is not None:
-            self._ready.synchronize()
-        return self._tokens
-
-    def host_logprobs(self) -> torch.Tensor | None:
-        self.host_tokens()
-        return self._logprobs
 
 
 class LLMEngine:
@@ -66,8 +35,9 @@ class LLMEngine:
                 raise ValueError(f"model {model_path!r} is not a folder; pass a Hugging Face model folder, or "
                                  "model=None / 'smollm2-135m' for the embedded default model")
         self.model_path = model_path
-        self.model_config = model_cfg = ModelConfig.from_folder(model_path)
-        get_model_class(model_cfg.architecture)  # unsupported architecture: fail before loading anything
+        raw = read_config_json(model_path)
+        get_model_class(config_architecture(raw))  # an unsupported architecture is named before its keys are read
+        self.model_config = model_cfg = ModelConfig.from_dict(raw)
         if config.max_model_len is None:
             config.max_model_len = model_cfg.max_position_embeddings
         elif config.max_model_len > model_cfg.max_position_embeddings:
@@ -77,7 +47,7 @@ class LLMEngine:
         method_cls.validate_model(config, model_cfg)   # knobs against the model's shape, before weights load
         self.config = config
         self.tokenizer = self._load_tokenizer(model_path)
-        self.eos_token_ids = self._eos_ids(model_path)
+        eos_token_ids = self._eos_ids(model_path)
         self.model_runner = ModelRunner(config, model_path, model_cfg, method_cls)
         self.cache_manager = self.model_runner.cache_manager
         self.scheduler = Scheduler(config, self.cache_manager)
@@ -87,7 +57,16 @@ class LLMEngine:
         # CPU every op finishes before the next is issued, so there is nothing to overlap.
         self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
                                  else self.model_runner.device.type == "cuda")
-        self._in_flight: _Launched | None = None
+        self._in_flight: SampledStep | None = None
+        self.outputs = OutputProcessor(self.tokenizer, eos_token_ids, config.max_model_len)
+
+    @property
+    def eos_token_ids(self) -> set[int]:
+        return self.outputs.eos_token_ids
+
+    @eos_token_ids.setter
+    def eos_token_ids(self, ids: set[int]) -> None:
+        self.outputs.eos_token_ids = set(ids)
 
     @staticmethod
     def _load_tokenizer(path: str):
@@ -119,34 +98,55 @@ class LLMEngine:
         raise TypeError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
 
     def add_request(self, prompt, params: SamplingParams) -> Sequence:
-        """Queue one request. A request that can never run (empty, too long) is returned already
-        finished with finish_reason 'error' and a message; it does not disturb the others."""
+        """Queue one request (its params.n samples: `seq.group`). A request that can never run
+        (empty, too long) is returned already finished with finish_reason 'error' and a message;
+        it does not disturb the others."""
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
         token_ids = self.tokenize(prompt)
-        seq = Sequence(token_ids, params, arrival_time=time.perf_counter())
-        if params.seed is not None:
-            self._seq_generators[seq.seq_id] = torch.Generator(self.model_runner.device).manual_seed(params.seed)
-        vocab = self.model_config.vocab_size
-        error = None
-        if not token_ids:
-            error = "empty prompt: a request needs at least one token"
-        elif len(token_ids) >= self.config.max_model_len:
-            error = (f"prompt of {len(token_ids)} tokens does not fit max_model_len={self.config.max_model_len} "
-                     "(it must leave room for at least one generated token)")
-        elif self.cache_manager.pages_for(len(token_ids) + 1) > self.cache_manager.num_pages:
-            error = (f"prompt of {len(token_ids)} tokens needs more KV pages than the whole pool holds "
-                     f"({self.cache_manager.num_pages} pages of {self.config.page_size}); raise num_kv_pages, "
-                     "cpu_kv_cache_gb or gpu_memory_utilization")
-        elif min(token_ids) < 0 or max(token_ids) >= vocab:
-            error = f"prompt token ids must be in [0, {vocab}) for this model"
+        now = time.perf_counter()
+        text = prompt if isinstance(prompt, str) else None
+        seq = Sequence(token_ids, params, arrival_time=now, prompt=text)
+        # The other samples prefill only what the first one's prompt pages do not hold. Each gets
+        # its own seed when the request has one, so the samples differ and still reproduce.
+        children = [Sequence(token_ids, params.clone(n=1, prompt_logprobs=None,
+                                                     seed=None if params.seed is None else params.seed + i),
+                             arrival_time=now, prompt=text) for i in range(1, params.n)]
+        seq.group = [seq] + children
+        for child in children:
+            child.prefix_parent = seq
+        error = self._request_error(token_ids, params)
+        for s in seq.group:
+            if s.params.seed is not None:
+                self._seq_generators[s.seq_id] = torch.Generator(self.model_runner.device).manual_seed(s.params.seed)
+            if error:
+                s.error = error
+                self.scheduler.finish(s, "error")
+            else:
+                self.scheduler.add(s)
         if error:
             logger.warning("request %d failed: %s", seq.seq_id, error)
-            seq.error = error
-            self.scheduler.finish(seq, "error")
-        else:
-            self.scheduler.add(seq)
+        elif len(token_ids) + params.max_tokens > self.config.max_model_len:
+            logger.warning("request %d: max_tokens=%d is cut to %d by max_model_len=%d", seq.seq_id, params.max_tokens,
+                           self.config.max_model_len - len(token_ids), self.config.max_model_len)
         return seq
+
+    def _request_error(self, token_ids: list[int], params: SamplingParams) -> str | None:
+        vocab = self.model_config.vocab_size
+        if not token_ids:
+            return "empty prompt: a request needs at least one token"
+        if len(token_ids) >= self.config.max_model_len:
+            return (f"prompt of {len(token_ids)} tokens does not fit max_model_len={self.config.max_model_len} "
+                    "(it must leave room for at least one generated token)")
+        if self.cache_manager.pages_for(len(token_ids) + 1) > self.cache_manager.num_pages:
+            return (f"prompt of {len(token_ids)} tokens needs more KV pages than the whole pool holds "
+                    f"({self.cache_manager.num_pages} pages of {self.config.page_size}); raise num_kv_pages, "
+                    "cpu_kv_cache_gb or gpu_memory_utilization")
+        if min(token_ids) < 0 or max(token_ids) >= vocab:
+            return f"prompt token ids must be in [0, {vocab}) for this model"
+        if params.stop and self.tokenizer is None:
+            return "stop strings need a tokenizer, and this model folder has none; use stop_token_ids"
+        return None
 
     # ---- the loop -----------------------------------------------------------------------------
     def step(self) -> tuple[list[Sequence], int]:
@@ -167,7 +167,7 @@ class LLMEngine:
             done = launched
         return self._finish(done), (done.num_tokens if done else 0)
 
-    def _launch(self) -> "_Launched | None":
+    def _launch(self) -> SampledStep | None:
         batch = self.scheduler.schedule()
         if not batch.seqs:
             return None
@@ -179,44 +179,49 @@ class LLMEngine:
         step = cm.prepare_step(batch.seqs, batch.num_tokens, batch.is_prefill, feed)
         logits = runner.forward(step, prev.device_tokens if feed is not None else None)
         cm.on_step_end(step)
-        seqs = [batch.seqs[i] for i in step.sampled]
-        tokens = logprobs = None
-        if seqs:
-            tokens = sample(logits, [s.params for s in seqs], [self._seq_generators.get(s.seq_id) for s in seqs],
-                            self.generator)
-            forced = [(j, s.forced_token_ids[s.num_completion_tokens + s.num_pending_tokens])
-                      for j, s in enumerate(seqs) if s.forced_token_ids is not None]
-            if forced:
-                rows, ids = zip(*forced)
-                tokens[to_device(rows, tokens.device)] = to_device(ids, tokens.device)
-            if any(s.logprobs is not None for s in seqs):
-                logprobs = torch.log_softmax(logits, dim=-1)
+        sampled = sample_step(step, logits, self._seq_generators, self.generator, self.eos_token_ids)
+        sampled.prompt_rows = [(step.seqs[i], start, count) for i, start, count in step.prompt_logprob_rows]
         for seq, n in zip(batch.seqs, batch.num_tokens):
             cm.commit(seq, n)
-        for seq in seqs:
+        for seq in sampled.seqs:
             seq.num_pending_tokens += 1
-        return _Launched(seqs, tokens, logprobs, sum(batch.num_tokens))
+        return sampled
 
-    def _finish(self, launched: "_Launched | None") -> list[Sequence]:
-        if launched is None or not launched.seqs:
+    def _finish(self, launched: SampledStep | None) -> list[Sequence]:
+        if launched is None:
             return []
-        tokens = launched.host_tokens().tolist()
-        logprobs = launched.host_logprobs()
+        host = launched.host()
+        decode = self.tokenizer.decode if self.tokenizer is not None else None
+        row = 0
+        for seq, start, count in launched.prompt_rows:
+            k = seq.params.prompt_logprobs
+            for r in range(count):   # a chunk run again after preemption reports nothing new
+                if len(seq.prompt_logprobs) == start + 1 + r:
+                    seq.prompt_logprobs.append(position_logprobs(host, "prompt", row + r, seq.token_ids[start + 1 + r],
+                                                                 k, decode))
+            row += count
+        if not launched.seqs:
+            return []
         now = time.perf_counter()
         finished = []
-        for j, (seq, token) in enumerate(zip(launched.seqs, tokens)):
+        for j, (seq, token) in enumerate(zip(launched.seqs, host["tokens"].tolist())):
             if seq.is_finished:
                 continue  # it finished at the step before: this was an extra step, its token is dropped
             seq.append_token(token, pending=True)
-            if seq.logprobs is not None:
-                seq.logprobs.append(logprobs[j])
+            if seq.full_logprobs is not None:
+                seq.full_logprobs.append(host["full_logprobs"][j])
+            if seq.output_logprobs is not None:
+                entry = position_logprobs(host, "sample", j, token, seq.params.logprobs, decode)
+                seq.output_logprobs.append(entry)
+                seq.cumulative_logprob += entry[token].logprob
             if seq.first_token_time is None:
                 seq.first_token_time = now
             seq.token_times.append(now)
-            reason = self._finish_reason(seq, token)
+            reason = self.outputs.finish_reason(seq, token)
             if reason:
                 self.scheduler.finish(seq, reason)
                 self._seq_generators.pop(seq.seq_id, None)
+                self.outputs.forget(seq)
                 finished.append(seq)
         return finished
 
@@ -230,17 +235,8 @@ class LLMEngine:
         self.scheduler.finish(seq, "error")
         return [seq]
 
-    def _finish_reason(self, seq: Sequence, token: int) -> str | None:
-        p = seq.params
-        if not p.ignore_eos and token in self.eos_token_ids:
-            return "stop"
-        if token in p.stop_token_ids:
-            return "stop"
-        if seq.num_completion_tokens >= p.max_tokens or len(seq.token_ids) >= self.config.max_model_len:
-            return "length"
-        return None
-
     def run(self, seqs: list[Sequence], use_tqdm: bool = True, desc: str = "generate") -> None:
+        seqs = [s for request in seqs for s in request.group]
         pending = sum(not s.is_finished for s in seqs)
         bar = tqdm(total=len(seqs), desc=desc, disable=not use_tqdm, dynamic_ncols=True)
         bar.update(len(seqs) - pending)
@@ -255,11 +251,5 @@ class LLMEngine:
     def has_work(self) -> bool:
         return self.scheduler.has_work() or self._in_flight is not None
 
-    def output(self, seq: Sequence) -> dict:
-        ids = seq.completion_token_ids
-        text = self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer is not None else ""
-        return {"text": text, "token_ids": ids, "prompt_token_ids": seq.token_ids[:seq.num_prompt_tokens],
-                "finish_reason": seq.finish_reason, "error": seq.error,
-                "metrics": {"arrival_time": seq.arrival_time, "first_token_time": seq.first_token_time,
-                            "finish_time": seq.token_times[-1] if seq.token_times else seq.arrival_time,
-                            "token_times": list(seq.token_times)}}
+    def output(self, seq: Sequence) -> RequestOutput:
+        return self.outputs.request_output(seq)

@@ -66,7 +66,7 @@ class Scheduler:
                 break
         while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
             seq = self.waiting[0]
-            if seq.num_pending_tokens or not self.cm.can_admit(seq):
+            if seq.num_pending_tokens or self._waits_for_parent(seq) or not self.cm.can_admit(seq):
                 break  # (a request preempted while its last token was sampling waits for that token)
             self.cm.allocate(seq)
             if seq.num_uncomputed_tokens == 0:
@@ -78,6 +78,13 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
         return ScheduledBatch(seqs, num_tokens, True)
+
+    @staticmethod
+    def _waits_for_parent(seq: Sequence) -> bool:
+        """A request's other samples start once its first has prefilled the prompt, so they find
+        the prompt's pages in the prefix cache instead of computing them again."""
+        parent = seq.prefix_parent
+        return parent is not None and not parent.is_finished and parent.num_computed_tokens < parent.num_prompt_tokens
 
     def _reaches_length(self, seq: Sequence) -> bool:
         """Every token the request may produce is already sampled (overlapped scheduling: some are

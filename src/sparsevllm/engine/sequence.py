@@ -14,8 +14,10 @@ class SequenceStatus(Enum):
 class Sequence:
     _ids = itertools.count()
 
-    def __init__(self, token_ids: list[int], params: SamplingParams, arrival_time: float = 0.0):
+    def __init__(self, token_ids: list[int], params: SamplingParams, arrival_time: float = 0.0,
+                 prompt: str | None = None):
         self.seq_id = next(Sequence._ids)
+        self.prompt = prompt
         self.status = SequenceStatus.WAITING
         self.token_ids = list(token_ids)
         self.num_prompt_tokens = len(token_ids)
@@ -34,10 +36,22 @@ class Sequence:
         self.arrival_time = arrival_time
         self.first_token_time: float | None = None
         self.token_times: list[float] = []
-        # Teacher forcing (fidelity measurements): tokens fed instead of sampled ones, and the
-        # log-probabilities collected at each step when asked.
+        # The n samples of one request: the first is the request itself and prefills the prompt;
+        # the others wait for it (prefix_parent) and then share its prompt pages.
+        self.group: list[Sequence] = [self]
+        self.prefix_parent: Sequence | None = None
+        # What the output reports: per generated token the chosen token's and the top-k
+        # log-probabilities (params.logprobs), per prompt token the same (params.prompt_logprobs),
+        # and why it stopped (a stop token id or stop string; the text cut before a stop string).
+        self.output_logprobs: list[dict] | None = [] if params.logprobs is not None else None
+        self.cumulative_logprob = 0.0
+        self.prompt_logprobs: list[dict | None] | None = [None] if params.prompt_logprobs is not None else None
+        self.stop_reason: int | str | None = None
+        self.output_text: str | None = None
+        # Teacher forcing (fidelity measurements): tokens fed instead of sampled ones, and the full
+        # log-probability rows collected at each step.
         self.forced_token_ids: list[int] | None = None
-        self.logprobs: list | None = None
+        self.full_logprobs: list | None = None
 
     def __len__(self) -> int:
         return len(self.token_ids) + self.num_pending_tokens
@@ -59,6 +73,11 @@ class Sequence:
     def in_prefill(self) -> bool:
         # More than one token waits for its K/V: the request is (re)filling its prompt.
         return self.num_uncomputed_tokens > 1 or self.num_computed_tokens == 0
+
+    @property
+    def num_generated(self) -> int:
+        """Generated tokens, those still sampling on the device included."""
+        return len(self) - self.num_prompt_tokens
 
     @property
     def is_finished(self) -> bool:

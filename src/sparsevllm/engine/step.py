@@ -50,7 +50,11 @@ class StepState:
     cu_seqlens_q: torch.Tensor       # [B+1] int32 (prefill)
     max_seqlen_q: int = 1
     has_prefix: bool = False         # prefill: some chunk attends to earlier stored tokens
-    logits_indices: torch.Tensor | None = None   # [len(sampled)] token rows of the sampled requests
+    # token rows whose logits are computed: the prompt-logprob rows first, then one per sampled request
+    logits_indices: torch.Tensor | None = None
+    # (batch index, first position, count): prompt positions whose next-token log-probabilities a
+    # request asked for (prompt_logprobs), in the order of their logits rows
+    prompt_logprob_rows: list[tuple[int, int, int]] = field(default_factory=list)
     # Decode under overlapped scheduling: row i's input token is the previous step's sampled token
     # feed_rows[i] (-1: input_ids[i] is already right). None when no input waits on the device.
     feed_rows: torch.Tensor | None = None

@@ -41,3 +41,27 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
     sampled = (probs / noise).argmax(dim=-1)
     is_greedy = to_device([p.greedy for p in params], dev, torch.bool)
     return torch.where(is_greedy, greedy, sampled)
+
+
+def apply_penalties(logits: torch.Tensor, prompt_ids: list[list[int]], output_ids: list[list[int]],
+                    pending: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """vLLM's (and HF's) penalties on [S, V] logits. pending: [S] the newest output token of each
+    row when it is only on the device (-1: none). repetition_penalty divides the positive logits
+    (multiplies the negative ones) of every token in the prompt or the output; frequency_penalty
+    subtracts its multiple of a token's output count, presence_penalty a constant once it occurred."""
+    S, V = logits.shape
+    dev = logits.device
+
+    def counts(lists: list[list[int]]) -> torch.Tensor:
+        width = max(1, max(len(x) for x in lists))
+        ids = to_device([x + [V] * (width - len(x)) for x in lists], dev)     # V: a padding column
+        return torch.zeros(S, V + 1, device=dev).scatter_add_(1, ids, torch.ones(ids.shape, device=dev))[:, :V]
+
+    out = counts(output_ids)
+    out.scatter_add_(1, pending.clamp(min=0).view(S, 1), (pending >= 0).float().view(S, 1))
+    seen = (out > 0) | (counts(prompt_ids) > 0)
+    rep = to_device([p.repetition_penalty for p in params], dev, torch.float32).view(S, 1)
+    freq = to_device([p.frequency_penalty for p in params], dev, torch.float32).view(S, 1)
+    pres = to_device([p.presence_penalty for p in params], dev, torch.float32).view(S, 1)
+    logits = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
+    return logits - freq * out - pres * (out > 0).float()

@@ -26,7 +26,6 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> "ModelConfig":
-        archs = d.get("architectures") or [d.get("model_type", "?")]
         heads = d["num_attention_heads"]
         rope = dict(d.get("rope_parameters") or {})
         scaling = d.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
@@ -34,7 +33,7 @@ class ModelConfig:
         eos = d.get("eos_token_id")
         eos = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
         return cls(
-            architecture=archs[0], vocab_size=d["vocab_size"], hidden_size=d["hidden_size"],
+            architecture=config_architecture(d), vocab_size=d["vocab_size"], hidden_size=d["hidden_size"],
             intermediate_size=d["intermediate_size"], num_hidden_layers=d["num_hidden_layers"],
             num_attention_heads=heads, num_key_value_heads=d.get("num_key_value_heads") or heads,
             head_dim=d.get("head_dim") or d["hidden_size"] // heads, rms_norm_eps=d.get("rms_norm_eps", 1e-6),
@@ -43,15 +42,19 @@ class ModelConfig:
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             attention_bias=bool(d.get("attention_bias", False)), eos_token_id=eos, raw=d)
 
-    @classmethod
-    def from_folder(cls, path: str) -> "ModelConfig":
-        cfg_path = os.path.join(path, "config.json")
-        if not os.path.isfile(cfg_path):
-            raise ValueError(f"model folder {path!r} has no readable config.json (expected a Hugging Face "
-                             "model folder, or model=None / 'smollm2-135m' for the embedded default model)")
-        try:
-            with open(cfg_path) as f:
-                d = json.load(f)
-        except (OSError, json.JSONDecodeError) as e:
-            raise ValueError(f"cannot read {cfg_path}: {e}") from e
-        return cls.from_dict(d)
+
+def config_architecture(d: dict) -> str:
+    """The architecture a config.json names (its first `architectures` entry, else `model_type`)."""
+    return (d.get("architectures") or [d.get("model_type", "?")])[0]
+
+
+def read_config_json(path: str) -> dict:
+    cfg_path = os.path.join(path, "config.json")
+    if not os.path.isfile(cfg_path):
+        raise ValueError(f"model folder {path!r} has no readable config.json (expected a Hugging Face "
+                         "model folder, or model=None / 'smollm2-135m' for the embedded default model)")
+    try:
+        with open(cfg_path) as f:
+            return json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"cannot read {cfg_path}: {e}") from e

@@ -249,15 +249,16 @@ class Runner:
         wall = time.perf_counter() - t0
         records = []
         for s, out in zip(chunk, outs):
-            if out.get("finish_reason") == "error":
-                records.append(self._error_record(variant, s, out.get("error") or "engine error"))
+            first = out.outputs[0]
+            if first.finish_reason == "error":
+                records.append(self._error_record(variant, s, out.error or "engine error"))
                 continue
-            m = out.get("metrics") or {}
+            m = out.metrics or {}
             latency = (m["finish_time"] - m["arrival_time"]) if "finish_time" in m else wall / len(chunk)
-            ttft = (m["first_token_time"] - m["arrival_time"]) if "first_token_time" in m else None
+            ttft = (m["first_token_time"] - m["arrival_time"]) if m.get("first_token_time") else None
             records.append(self._record(
-                variant, s, output=out["text"], score=score(s.metric, out["text"], s.answers),
-                output_tokens=len(out["token_ids"]), finish_reason=out.get("finish_reason"),
+                variant, s, output=first.text, score=score(s.metric, first.text, s.answers),
+                output_tokens=len(first.token_ids), finish_reason=first.finish_reason,
                 latency_s=latency, ttft_s=ttft))
         return records
 

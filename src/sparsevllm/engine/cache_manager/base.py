@@ -101,7 +101,10 @@ class CacheManager:
         return min(seq.num_uncomputed_tokens, max_tokens)
 
     def cached_prefix(self, seq: Sequence) -> list[int]:
-        """Pages of seq's prefix that prefill may skip (prefix-cache hits)."""
+        """Pages of seq's prefix that prefill may skip (prefix-cache hits); none for a request that
+        wants its prompt's log-probabilities, which needs every prompt position computed."""
+        if seq.params.prompt_logprobs is not None:
+            return []
         return self.tables.cached_prefix(seq)
 
     def can_admit(self, seq: Sequence) -> bool:
@@ -149,7 +152,13 @@ class CacheManager:
         P, B, T = self.page_size, len(seqs), sum(num_tokens)
         width = max(len(self.tables[s.seq_id]) for s in seqs)
         sampled = [i for i, (s, n) in enumerate(zip(seqs, num_tokens)) if s.num_computed_tokens + n == len(s)]
-        S, F = len(sampled), B if feed_rows is not None else 0
+        # Prompt positions whose logits a request wants (prompt_logprobs): each predicts the next
+        # prompt token, so the last prompt position (it predicts the first output) is not one.
+        prompt_rows = [(i, s.num_computed_tokens, min(n, s.num_prompt_tokens - 1 - s.num_computed_tokens))
+                       for i, (s, n) in enumerate(zip(seqs, num_tokens))
+                       if s.params.prompt_logprobs is not None and s.num_computed_tokens < s.num_prompt_tokens - 1]
+        S = sum(count for _, _, count in prompt_rows) + len(sampled)
+        F = B if feed_rows is not None else 0
         # Every integer input of the step goes into one (pinned) host buffer and crosses to the
         # device in one copy, already in the dtypes the kernels take: per-tensor copies and casts
         # cost more than the decode step's own host work at small batch.
@@ -172,7 +181,10 @@ class CacheManager:
             lens[i] = seq.cache_len + n
             off += n
             cu[i + 1] = off
-        i64[3 * T:3 * T + S] = cu[1:][sampled] - 1
+        rows = cu[1:][sampled] - 1
+        if prompt_rows:
+            rows = np.concatenate([np.arange(cu[i], cu[i] + count) for i, _, count in prompt_rows] + [rows])
+        i64[3 * T:3 * T + S] = rows
         if F:
             i64[3 * T + S:] = feed_rows
         has_prefix = bool((lens != np.asarray(num_tokens)).any())
@@ -183,6 +195,7 @@ class CacheManager:
             input_ids=d64[:T], positions=d64[T:2 * T], slot_mapping=d64[2 * T:3 * T],
             block_tables=d32[2 * B + 1:].view(B, width), cache_lens=d32[:B], cu_seqlens_q=d32[B:2 * B + 1],
             max_seqlen_q=max(num_tokens), has_prefix=has_prefix, logits_indices=d64[3 * T:3 * T + S],
+            prompt_logprob_rows=prompt_rows,
             feed_rows=d64[3 * T + S:] if F else None)
 
     def graph_extras(self, max_batch_size: int) -> dict[str, torch.Tensor]:
