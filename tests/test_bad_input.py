@@ -112,3 +112,25 @@ def test_string_prompt_without_tokenizer_is_explained(tiny_model):
     llm = LLM(tiny_model("llama"))
     with pytest.raises(ValueError, match="no tokenizer: pass prompts as token-id lists"):
         llm.generate("hello", use_tqdm=False)
+
+
+def test_a_gpt2_config_names_the_unsupported_architecture(tmp_path):
+    cfg = {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "n_embd": 64, "n_head": 4, "n_layer": 2,
+           "vocab_size": 100}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="unsupported model architecture 'GPT2LMHeadModel'; supported: Llama"):
+        LLM(str(tmp_path), device="cpu")
+
+
+def test_cli_prints_errors_without_a_traceback_and_shows_defaults(tiny_model):
+    import subprocess
+    import sys
+
+    def cli(*args):
+        return subprocess.run([sys.executable, "-m", "sparsevllm", *args], capture_output=True, text=True, timeout=300)
+    out = cli("--model", tiny_model("llama"), "--hyper_params", "{bad")
+    assert out.returncode == 2 and "--hyper_params is not valid JSON" in out.stderr and "Traceback" not in out.stderr
+    out = cli("--model", tiny_model("llama"), "--method", "nosuch")
+    assert out.returncode == 2 and "unknown vllm_sparse_method 'nosuch'" in out.stderr
+    assert "Traceback" not in out.stderr
+    assert "(default: 32)" in cli("--help").stdout
