@@ -248,6 +248,19 @@ class LLMEngine:
         bar.close()
         assert self.cache_manager.allocator.is_idle() or self.scheduler.has_work(), "KV pages leaked"
 
+    def abort(self, request: Sequence) -> None:
+        """Finish a request (all its samples) now and free its pages: its client went away. A
+        token of it still in flight is dropped when it arrives."""
+        for seq in request.group:
+            if not seq.is_finished:
+                self.scheduler.finish(seq, "abort")
+                self._seq_generators.pop(seq.seq_id, None)
+                self.outputs.forget(seq)
+
+    def reset_in_flight(self) -> None:
+        """After a failed step: forget the step in flight (its requests were failed)."""
+        self._in_flight = None
+
     def has_work(self) -> bool:
         return self.scheduler.has_work() or self._in_flight is not None
 

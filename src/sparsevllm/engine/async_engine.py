@@ -1,0 +1,153 @@
+"""AsyncLLM: the engine for a server. One thread runs the engine loop; asyncio callers submit
+requests and read their tokens as the steps produce them.
+
+Requests join the running batch at the next step (continuous batching: nobody waits for a batch to
+end). After every step the loop hands each live request the tokens the host learned for it; a
+request that is aborted (its client went away) is finished at once and its KV pages are freed. An
+exception while a step runs fails the requests of that step, frees their pages and leaves the others
+running; an exception while one request's output is built fails that request alone.
+"""
+import asyncio
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+from sparsevllm.engine.llm_engine import LLMEngine
+from sparsevllm.engine.sequence import Sequence
+from sparsevllm.outputs import RequestOutput
+from sparsevllm.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Stats:
+    """What /metrics reports, updated by the engine thread."""
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    requests_finished: int = 0
+    started: float = field(default_factory=time.time)
+    ttft: list[float] = field(default_factory=list)
+    itl: list[float] = field(default_factory=list)
+
+
+class _Stream:
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop, self.queue = loop, asyncio.Queue()
+        self.seq: Sequence | None = None
+        self.sent = 0
+
+    def push(self, item) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+class AsyncLLM:
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self.stats = Stats()
+        self._inbox: queue.Queue = queue.Queue()
+        self._wake = threading.Event()
+        self._streams: dict[int, _Stream] = {}
+        self._stop = False
+        self._thread = threading.Thread(target=self._loop, name="sparsevllm-engine", daemon=True)
+        self._thread.start()
+
+    # ---- asyncio side ---------------------------------------------------------------------------
+    async def generate(self, prompt, params: SamplingParams):
+        """Yields RequestOutput snapshots as tokens arrive; the last one has finished=True. Closing
+        the generator (a client that disconnected) aborts the request and frees its pages."""
+        stream = _Stream(asyncio.get_running_loop())
+        self._inbox.put(("add", prompt, params, stream))
+        self._wake.set()
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finished:
+                    return
+        finally:
+            if stream.seq is not None and not stream.seq.is_finished:
+                self._inbox.put(("abort", stream))
+                self._wake.set()
+
+    def shutdown(self) -> None:
+        self._stop = True
+        self._wake.set()
+        self._thread.join(timeout=30)
+
+    # ---- engine thread --------------------------------------------------------------------------
+    def _loop(self) -> None:
+        eng = self.engine
+        while not self._stop:
+            self._drain_inbox()
+            self._publish()   # requests refused at admission finish without a step
+            if not eng.has_work():
+                self._wake.wait(timeout=0.5)
+                self._wake.clear()
+                continue
+            running = list(eng.scheduler.running)
+            try:
+                eng.step()
+            except Exception as e:  # noqa: BLE001 - a failing step fails its requests, not the server
+                logger.exception("engine step failed; failing the requests it ran")
+                self._fail(running, f"internal error: {type(e).__name__}: {e}")
+            self._publish()
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if item[0] == "add":
+                _, prompt, params, stream = item
+                try:
+                    seq = self.engine.add_request(prompt, params)
+                except (ValueError, TypeError) as e:
+                    stream.push(e)
+                    continue
+                stream.seq = seq
+                self.stats.prompt_tokens += seq.num_prompt_tokens
+                self._streams[seq.seq_id] = stream
+            else:
+                stream = item[1]
+                if stream.seq is not None and not stream.seq.is_finished:
+                    self.engine.abort(stream.seq)
+
+    def _fail(self, seqs: list[Sequence], message: str) -> None:
+        for seq in seqs:
+            if not seq.is_finished:
+                seq.error = message
+                self.engine.scheduler.finish(seq, "error")
+        self.engine.reset_in_flight()
+
+    def _publish(self) -> None:
+        for seq_id, stream in list(self._streams.items()):
+            seq = stream.seq
+            try:
+                new = seq.num_completion_tokens - stream.sent
+                finished = all(s.is_finished for s in seq.group)
+                if new <= 0 and not finished:
+                    continue
+                if stream.sent == 0 and new > 0 and seq.first_token_time is not None:
+                    self.stats.ttft.append(seq.first_token_time - seq.arrival_time)
+                # inter-token latencies of the tokens learned since the last publication
+                times = seq.token_times[max(0, stream.sent - 1):]
+                self.stats.itl.extend(b - a for a, b in zip(times, times[1:]))
+                self.stats.generation_tokens += max(new, 0)
+                stream.sent = seq.num_completion_tokens
+                out: RequestOutput = self.engine.output(seq)
+            except Exception as e:  # noqa: BLE001 - one request's output failing fails it alone
+                logger.exception("building the output of request %d failed", seq_id)
+                self._fail(seq.group, f"internal error: {type(e).__name__}: {e}")
+                stream.push(RuntimeError(seq.error))
+                del self._streams[seq_id]
+                continue
+            stream.push(out)
+            if finished:
+                self.stats.requests_finished += 1
+                del self._streams[seq_id]

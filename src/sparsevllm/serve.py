@@ -1,0 +1,382 @@
+"""python -m sparsevllm.serve: an OpenAI-compatible server (FastAPI + uvicorn, the `server` extra).
+
+    python -m sparsevllm.serve [--model DIR] [--sparse-method NAME] [--host H] [--port P]
+        [--api-key KEY] [--hyper-params JSON] [--<knob> VALUE ...]
+
+One server, one model and one sparse method (`/v1/models` names both). Endpoints:
+/v1/completions and /v1/chat/completions (streaming over SSE or not), /v1/models, /health and
+/metrics (Prometheus text). Requests join the running batch as they arrive; a client that
+disconnects frees its KV at once; a bad request gets a 4xx error in OpenAI's shape and the server
+goes on.
+"""
+import argparse
+import json
+import os
+import sys
+import time
+import uuid
+
+from sparsevllm.engine.async_engine import AsyncLLM
+from sparsevllm.sampling_params import SamplingParams
+
+try:
+    from fastapi import FastAPI, Request
+    from fastapi.exceptions import RequestValidationError
+    from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+    from pydantic import BaseModel, ConfigDict
+except ImportError:   # the module still imports (for --help and a clear error) without the extra
+    FastAPI = None
+    BaseModel, ConfigDict = object, dict
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class _Sampling(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    n: int = 1
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stream: bool = False
+    stream_options: dict | None = None
+    user: str | None = None
+
+    def params(self, logprobs: int | None) -> SamplingParams:
+        if self.n != 1:
+            raise ValueError("n must be 1: this server returns one choice per request")
+        return SamplingParams(
+            temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+            max_tokens=16 if self.max_tokens is None else self.max_tokens, min_tokens=self.min_tokens,
+            seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
+            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty, logprobs=logprobs)
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[int] | list[str]
+    logprobs: int | None = None
+    echo: bool = False
+
+
+class ChatRequest(_Sampling):
+    messages: list[dict]
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.param, self.kind = status, message, param, kind
+
+
+def error_response(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error"):
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": None}}, status)
+
+
+def prometheus(llm: AsyncLLM, model: str) -> str:
+    eng, st = llm.engine, llm.stats
+    cm = eng.cache_manager
+    lines = []
+
+    def metric(name, kind, help_, value):
+        lines.extend([f"# HELP {name} {help_}", f"# TYPE {name} {kind}", f'{name}{{model="{model}"}} {value}'])
+
+    def histogram(name, help_, values):
+        lines.extend([f"# HELP {name} {help_}", f"# TYPE {name} histogram"])
+        vals = list(values)
+        for le in LATENCY_BUCKETS:
+            lines.append(f'{name}_bucket{{model="{model}",le="{le}"}} {sum(v <= le for v in vals)}')
+        lines.append(f'{name}_bucket{{model="{model}",le="+Inf"}} {len(vals)}')
+        lines.append(f'{name}_sum{{model="{model}"}} {sum(vals)}')
+        lines.append(f'{name}_count{{model="{model}"}} {len(vals)}')
+
+    metric("sparsevllm_num_requests_running", "gauge", "requests in the running batch", len(eng.scheduler.running))
+    metric("sparsevllm_num_requests_waiting", "gauge", "requests waiting for admission", len(eng.scheduler.waiting))
+    metric("sparsevllm_kv_pages_used", "gauge", "KV pages referenced", cm.num_pages - cm.allocator.num_free)
+    metric("sparsevllm_kv_pages_total", "gauge", "KV pages in the pool", cm.num_pages)
+    metric("sparsevllm_prompt_tokens_total", "counter", "prompt tokens received", st.prompt_tokens)
+    metric("sparsevllm_generation_tokens_total", "counter", "tokens generated", st.generation_tokens)
+    metric("sparsevllm_requests_finished_total", "counter", "requests finished", st.requests_finished)
+    metric("sparsevllm_generation_tokens_per_second", "gauge", "tokens generated per second since start",
+           st.generation_tokens / max(time.time() - st.started, 1e-9))
+    histogram("sparsevllm_time_to_first_token_seconds", "time to first token", st.ttft)
+    histogram("sparsevllm_inter_token_latency_seconds", "time between consecutive tokens", st.itl)
+    return "\n".join(lines) + "\n"
+
+
+def build_app(llm: AsyncLLM, model_name: str, api_key: str | None = None):
+    if FastAPI is None:
+        raise ImportError('the server needs FastAPI and uvicorn: pip install -e ".[server]"')
+    app = FastAPI(title="Sparse-vLLM")
+    engine = llm.engine
+    method = engine.config.vllm_sparse_method
+    tokenizer = engine.tokenizer
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_, exc: RequestValidationError):
+        err = exc.errors()[0] if exc.errors() else {}
+        where = ".".join(str(x) for x in err.get("loc", ()) if x != "body")
+        kind = err.get("type", "")
+        message = ("request body is not valid JSON" if kind == "json_invalid" else
+                   f"unknown field {where!r}" if kind == "extra_forbidden" else f"{where}: {err.get('msg', 'invalid')}")
+        return error_response(400, message, where or None)
+
+    @app.exception_handler(APIError)
+    async def api_error(_, exc: APIError):
+        return error_response(exc.status, exc.message, exc.param, exc.kind)
+
+    @app.middleware("http")
+    async def check_key(request: Request, call_next):
+        if api_key and request.url.path.startswith("/v1/") and \
+                request.headers.get("authorization") != f"Bearer {api_key}":
+            return error_response(401, "invalid or missing API key", None, "authentication_error")
+        return await call_next(request)
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics():
+        return PlainTextResponse(prometheus(llm, model_name), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": int(llm.stats.started),
+                                            "owned_by": "sparsevllm", "sparse_method": method,
+                                            "max_model_len": engine.config.max_model_len}]}
+
+    def sampling(req: _Sampling, logprobs: int | None) -> SamplingParams:
+        if req.model is not None and req.model != model_name:
+            raise APIError(404, f"model {req.model!r} is not served here; this server serves {model_name!r}",
+                           "model", "not_found_error")
+        try:
+            return req.params(logprobs)
+        except ValueError as e:
+            raise APIError(400, str(e)) from None
+
+    async def first_output(gen):
+        """The first snapshot; a request the engine refused (prompt too long, ...) is a 400."""
+        out = await gen.__anext__()
+        if out.error and not out.outputs[0].token_ids:
+            raise APIError(400, out.error, "prompt")
+        return out
+
+    def token_text(t: int) -> str:
+        return tokenizer.decode([t]) if tokenizer is not None else str(t)
+
+    def top_k(entry: dict, k: int) -> list:
+        """(token id, Logprob) of a position's k most likely tokens, most likely first."""
+        return sorted(((t, v) for t, v in entry.items() if v.rank <= k), key=lambda tv: tv[1].rank)
+
+    def completion_logprobs(out, k: int, start_offset: int) -> dict:
+        first = out.outputs[0]
+        tokens, token_lps, tops, offsets, offset = [], [], [], [], start_offset
+        for t, entry in zip(first.token_ids, first.logprobs or []):
+            text = token_text(t)
+            tokens.append(text)
+            token_lps.append(entry[t].logprob)
+            tops.append({token_text(a): v.logprob for a, v in top_k(entry, k)})
+            offsets.append(offset)
+            offset += len(text)
+        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+    def chat_logprobs(out, k: int) -> dict:
+        def item(t, lp):
+            text = token_text(t)
+            return {"token": text, "logprob": lp, "bytes": list(text.encode())}
+        first = out.outputs[0]
+        return {"content": [{**item(t, entry[t].logprob),
+                             "top_logprobs": [item(a, v.logprob) for a, v in top_k(entry, k)]}
+                            for t, entry in zip(first.token_ids, first.logprobs or [])]}
+
+    def usage(out) -> dict:
+        n = sum(len(o.token_ids) for o in out.outputs)
+        return {"prompt_tokens": len(out.prompt_token_ids), "completion_tokens": n,
+                "total_tokens": len(out.prompt_token_ids) + n}
+
+    def sse(payload) -> str:
+        return f"data: {json.dumps(payload)}\n\n"
+
+    async def stream(gen, first, make_chunk, final_usage: bool, stops: list[str]):
+        """SSE chunks of the text as it grows. With stop strings, the last len(stop) - 1 characters
+        wait, so a stop string split across tokens is never half sent."""
+        sent, hold = 0, max((len(s) for s in stops), default=1) - 1
+        out = first
+        try:
+            while True:
+                text = out.outputs[0].text
+                done = out.finished
+                upto = len(text) if done else max(sent, len(text) - hold)
+                if not done and text[sent:upto].endswith("\ufffd"):
+                    upto = sent   # an unfinished multi-byte character: wait for the rest
+                if upto > sent or done:
+                    yield sse(make_chunk(text[sent:upto], out.outputs[0].finish_reason if done else None, out))
+                    sent = upto
+                if done:
+                    break
+                out = await gen.__anext__()
+            if final_usage:
+                yield sse(make_chunk(None, None, out, usage_only=True))
+            yield "data: [DONE]\n\n"
+        finally:
+            await gen.aclose()
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest, request: Request):
+        params = sampling(req, req.logprobs)
+        prompt = req.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+            if len(prompt) != 1:
+                raise APIError(400, "prompt: one prompt per request (a list of one string, a string or token ids)",
+                               "prompt")
+            prompt = prompt[0]
+        if isinstance(prompt, str) and tokenizer is None:
+            raise APIError(400, "this model has no tokenizer: send the prompt as token ids", "prompt")
+        gen = llm.generate(prompt, params)
+        first = await first_output(gen)
+        rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        echo = (first.prompt if first.prompt is not None else "") if req.echo else ""
+
+        def body(out, text, finish, usage_only=False):
+            if usage_only:
+                return {"id": rid, "object": "text_completion", "created": created, "model": model_name,
+                        "choices": [], "usage": usage(out)}
+            lp = completion_logprobs(out, req.logprobs, len(echo)) if req.logprobs is not None else None
+            return {"id": rid, "object": "text_completion", "created": created, "model": model_name,
+                    "choices": [{"index": 0, "text": text, "logprobs": lp, "finish_reason": finish}]}
+        if req.stream:
+            include = bool((req.stream_options or {}).get("include_usage"))
+            return StreamingResponse(stream(gen, first, lambda t, f, o, usage_only=False: body(o, t, f, usage_only),
+                                            include, params.stop), media_type="text/event-stream")
+        out = first
+        try:
+            while not out.finished:
+                if await request.is_disconnected():
+                    break
+                out = await gen.__anext__()
+        finally:
+            await gen.aclose()
+        result = body(out, echo + out.outputs[0].text, out.outputs[0].finish_reason)
+        result["usage"] = usage(out)
+        return result
+
+    @app.post("/v1/chat/completions")
+    async def chat(req: ChatRequest, request: Request):
+        if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+            raise APIError(400, "this model's tokenizer has no chat template; use /v1/completions", "messages")
+        if req.max_completion_tokens is not None:
+            req.max_tokens = req.max_completion_tokens
+        k = (req.top_logprobs or 0) if req.logprobs else None
+        params = sampling(req, k)
+        try:
+            text = tokenizer.apply_chat_template(req.messages, add_generation_prompt=True, tokenize=False)
+        except Exception as e:  # noqa: BLE001 - a malformed conversation is the client's error
+            raise APIError(400, f"messages: {e}", "messages") from None
+        gen = llm.generate(tokenizer.encode(text, add_special_tokens=False), params)
+        first = await first_output(gen)
+        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+
+        opened = []   # the first chunk carries the role
+
+        def chunk(text, finish, out, usage_only=False):
+            base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model_name}
+            if usage_only:
+                return {**base, "choices": [], "usage": usage(out)}
+            delta = {"content": text} if text else {}
+            if not opened:
+                delta, _ = {"role": "assistant", "content": text or ""}, opened.append(True)
+            return {**base, "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
+        if req.stream:
+            include = bool((req.stream_options or {}).get("include_usage"))
+            return StreamingResponse(stream(gen, first, chunk, include, params.stop), media_type="text/event-stream")
+        out = first
+        try:
+            while not out.finished:
+                if await request.is_disconnected():
+                    break
+                out = await gen.__anext__()
+        finally:
+            await gen.aclose()
+        choice = {"index": 0, "message": {"role": "assistant", "content": out.outputs[0].text},
+                  "logprobs": chat_logprobs(out, k) if req.logprobs else None,
+                  "finish_reason": out.outputs[0].finish_reason}
+        return {"id": rid, "object": "chat.completion", "created": created, "model": model_name,
+                "choices": [choice], "usage": usage(out)}
+
+    return app
+
+
+def parse_knobs(extra: list[str], hyper_params: str) -> dict:
+    """`--name value` pairs (name with - or _, value as JSON where it parses) and --hyper-params JSON."""
+    try:
+        knobs = json.loads(hyper_params)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--hyper-params is not valid JSON ({e}): {hyper_params!r}") from None
+    if not isinstance(knobs, dict):
+        raise ValueError(f"--hyper-params must be a JSON object of knob: value, got {hyper_params!r}")
+    i = 0
+    while i < len(extra):
+        name = extra[i]
+        if not name.startswith("--") or i + 1 >= len(extra):
+            raise ValueError(f"knobs are given as --name value pairs; got {' '.join(extra[i:i + 2])!r}")
+        value = extra[i + 1]
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError:
+            pass
+        knobs[name[2:].replace("-", "_")] = value
+        i += 2
+    return knobs
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m sparsevllm.serve", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="HF model folder (default: the embedded SmolLM2-135M-Instruct)")
+    ap.add_argument("--served-model-name", default=None, help="the model id clients send (default: the folder name)")
+    ap.add_argument("--sparse-method", default="vanilla", help="the sparse method every request runs")
+    ap.add_argument("--host", default="127.0.0.1", help="(default: 127.0.0.1)")
+    ap.add_argument("--port", type=int, default=8000, help="(default: 8000)")
+    ap.add_argument("--api-key", default=os.environ.get("SPARSEVLLM_API_KEY"),
+                    help="require 'Authorization: Bearer KEY' (default: $SPARSEVLLM_API_KEY, else none)")
+    ap.add_argument("--hyper-params", default="{}", help="JSON of engine and method knobs")
+    args, extra = ap.parse_known_args(argv)
+    try:
+        import uvicorn
+
+        from sparsevllm import LLM
+        knobs = parse_knobs(extra, args.hyper_params)
+        llm = LLM(args.model, vllm_sparse_method=args.sparse_method, **knobs)
+        name = args.served_model_name or (os.path.basename(os.path.normpath(args.model)) if args.model
+                                          else "smollm2-135m")
+        async_llm = AsyncLLM(llm.engine)
+        app = build_app(async_llm, name, args.api_key)
+    except ImportError as e:
+        print(f"error: {e}; install the server extra: pip install -e \".[server]\"", file=sys.stderr)
+        return 2
+    except (ValueError, TypeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"serving {name} ({args.sparse_method}) on http://{args.host}:{args.port}/v1", file=sys.stderr)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    finally:
+        async_llm.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

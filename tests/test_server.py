@@ -1,0 +1,171 @@
+"""The OpenAI-compatible server, started on loopback inside the test, driven by the official
+`openai` client: completions and chat (streaming and not) equal LLM.generate; a cancelled stream
+frees its pages; 32 concurrent clients; bad requests get the right 4xx and the server stays up."""
+import asyncio
+import json
+import socket
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+openai = pytest.importorskip("openai")
+uvicorn = pytest.importorskip("uvicorn")
+
+from sparsevllm import LLM, SamplingParams  # noqa: E402
+from sparsevllm.engine.async_engine import AsyncLLM  # noqa: E402
+from sparsevllm.serve import build_app  # noqa: E402
+
+KNOBS = dict(max_num_seqs=32, cpu_kv_cache_gb=0.5)
+KEY = "test-key"
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def http(method: str, url: str, body: str | None = None, key: str | None = KEY) -> tuple[int, str]:
+    """A raw request (stdlib), for what the openai client would not send."""
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
+    req = urllib.request.Request(url, data=body.encode() if body is not None else None, headers=headers, method=method)
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server():
+    llm = LLM(**KNOBS)
+    async_llm = AsyncLLM(llm.engine)
+    port = free_port()
+    srv = uvicorn.Server(uvicorn.Config(build_app(async_llm, "smollm2", KEY), host="127.0.0.1", port=port,
+                                        log_level="warning"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    while not srv.started:
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{port}", llm.engine
+    srv.should_exit = True
+    thread.join(timeout=30)
+    async_llm.shutdown()
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return LLM(**KNOBS)
+
+
+def client(url, key=KEY):
+    return openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0)
+
+
+def idle(engine, timeout=30.0) -> bool:
+    end = time.time() + timeout
+    while time.time() < end:
+        if engine.cache_manager.allocator.is_idle() and not engine.has_work():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_completions_and_chat_equal_llm_generate(server, reference):
+    url, engine = server
+    c = client(url)
+    want = reference.generate(["The capital of France is"], SamplingParams(temperature=0.0, max_tokens=12),
+                              use_tqdm=False)[0].outputs[0]
+    got = c.completions.create(model="smollm2", prompt="The capital of France is", max_tokens=12, temperature=0)
+    assert got.choices[0].text == want.text and got.choices[0].finish_reason == want.finish_reason
+    assert got.usage.completion_tokens == len(want.token_ids)
+    streamed = c.completions.create(model="smollm2", prompt="The capital of France is", max_tokens=12,
+                                    temperature=0, stream=True)
+    assert "".join(ch.choices[0].text for ch in streamed if ch.choices) == want.text
+    chat_want = reference.chat(QUESTION, SamplingParams(temperature=0.0, max_tokens=24), use_tqdm=False)[0].outputs[0]
+    chat = c.chat.completions.create(model="smollm2", messages=QUESTION, max_tokens=24, temperature=0)
+    assert chat.choices[0].message.content == chat_want.text and "Paris" in chat_want.text
+    assert chat.choices[0].finish_reason == chat_want.finish_reason
+    parts = c.chat.completions.create(model="smollm2", messages=QUESTION, max_tokens=24, temperature=0, stream=True,
+                                      stream_options={"include_usage": True})
+    chunks = list(parts)
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == chat_want.text
+    assert chunks[-1].usage.completion_tokens == len(chat_want.token_ids)
+    assert idle(engine)
+
+
+def test_logprobs_stop_and_models(server, reference):
+    url, _ = server
+    c = client(url)
+    models = c.models.list().data
+    assert models[0].id == "smollm2" and models[0].sparse_method == "vanilla"
+    got = c.completions.create(model="smollm2", prompt="The capital of France is", max_tokens=6, temperature=0,
+                               logprobs=2)
+    lp = got.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == 6 and all(len(t) <= 2 for t in lp.top_logprobs)
+    full = reference.generate(["The capital of France is"], SamplingParams(temperature=0.0, max_tokens=12),
+                              use_tqdm=False)[0].outputs[0].text
+    stop = full[4:7]
+    cut = c.completions.create(model="smollm2", prompt="The capital of France is", max_tokens=12, temperature=0,
+                               stop=[stop])
+    assert cut.choices[0].text == full[:full.index(stop)] and cut.choices[0].finish_reason == "stop"
+    metrics = http("GET", url + "/metrics")[1]
+    assert "sparsevllm_time_to_first_token_seconds_count" in metrics and "sparsevllm_kv_pages_used" in metrics
+
+
+def test_cancelling_a_stream_frees_its_pages(server):
+    url, engine = server
+    c = client(url)
+    stream = c.completions.create(model="smollm2", prompt="Tell me a long story.", max_tokens=2000, temperature=0.8,
+                                  stream=True, extra_body={"ignore_eos": True})
+    for i, _ in enumerate(stream):
+        if i == 3:
+            break
+    stream.close()
+    assert idle(engine), "pages of the cancelled request were not freed"
+
+
+def test_32_concurrent_clients_with_mixed_lengths(server, reference):
+    url, engine = server
+    prompts = [f"Count to {i % 7 + 2}:" for i in range(32)]
+    lengths = [4 + (i * 5) % 23 for i in range(32)]
+
+    async def run():
+        c = openai.AsyncOpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0)
+        return await asyncio.gather(*(c.completions.create(model="smollm2", prompt=p, max_tokens=n, temperature=0,
+                                                           extra_body={"ignore_eos": True})
+                                      for p, n in zip(prompts, lengths)))
+    outs = asyncio.run(run())
+    assert [o.usage.completion_tokens for o in outs] == lengths
+    assert all(o.choices[0].finish_reason == "length" for o in outs)
+    want = reference.generate(prompts[:4], [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+                                            for n in lengths[:4]], use_tqdm=False)
+    assert [o.choices[0].text for o in outs[:4]] == [w.outputs[0].text for w in want]
+    assert idle(engine)
+
+
+@pytest.mark.parametrize("body,status,message", [
+    ('{"model": "smollm2", "prompt": "hi"', 400, "not valid JSON"),
+    ('{"model": "smollm2", "prompt": "hi", "bogus_field": 1}', 400, "unknown field 'bogus_field'"),
+    ('{"model": "smollm2", "prompt": "hi", "max_tokens": -3}', 400, "max_tokens"),
+    ('{"model": "smollm2", "prompt": "hi", "temperature": "hot"}', 400, "temperature"),
+    ('{"model": "other", "prompt": "hi"}', 404, "not served here"),
+    ('{"model": "smollm2", "prompt": "' + "word " * 9000 + '"}', 400, "max_model_len"),
+], ids=["malformed_json", "unknown_field", "negative_max_tokens", "wrong_type", "unknown_model", "prompt_too_long"])
+def test_bad_requests_get_a_4xx_and_the_server_stays_up(server, body, status, message):
+    url, engine = server
+    code, text = http("POST", url + "/v1/completions", body)
+    assert code == status and message in json.loads(text)["error"]["message"], text
+    assert http("GET", url + "/health")[0] == 200
+    assert idle(engine)
+
+
+def test_a_wrong_api_key_is_a_401(server):
+    url, _ = server
+    with pytest.raises(openai.AuthenticationError):
+        client(url, key="wrong").completions.create(model="smollm2", prompt="hi", max_tokens=2)
+    assert http("GET", url + "/health")[0] == 200
