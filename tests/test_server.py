@@ -169,3 +169,24 @@ def test_a_wrong_api_key_is_a_401(server):
     with pytest.raises(openai.AuthenticationError):
         client(url, key="wrong").completions.create(model="smollm2", prompt="hi", max_tokens=2)
     assert http("GET", url + "/health")[0] == 200
+
+
+def test_online_benchmark_reports_latencies_and_throughput(tmp_path):
+    import os
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=os.path.join(root, "src"))
+    out = tmp_path / "online"
+    proc = subprocess.run([sys.executable, os.path.join(root, "scripts", "benchmarks", "bench_online.py"),
+                           "--model_path", "tiny", "--input_len", "48", "--output_len", "8", "--num_requests", "6",
+                           "--request_rates", "50,inf", "--hyper_params", '{"device": "cpu"}', "--out_dir", str(out)],
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert [r["request_rate"] for r in rows] == [50.0, float("inf")]
+    for r in rows:
+        assert r["num_requests"] == 6 and r["output_tokens"] == 48 and r["output_tok_s"] > 0
+        assert 0 < r["ttft_p50_ms"] <= r["ttft_p99_ms"] and 0 < r["e2e_p50_ms"] <= r["e2e_p99_ms"]
+        assert r["itl_p50_ms"] is not None
+    assert (out / "summary.md").read_text().count("|") > 20 and (out / "plot.png").stat().st_size > 0

@@ -213,7 +213,7 @@ def build_app(llm: AsyncLLM, model_name: str, api_key: str | None = None):
     async def stream(gen, first, make_chunk, final_usage: bool, stops: list[str]):
         """SSE chunks of the text as it grows. With stop strings, the last len(stop) - 1 characters
         wait, so a stop string split across tokens is never half sent."""
-        sent, hold = 0, max((len(s) for s in stops), default=1) - 1
+        sent, tokens, hold = 0, 0, max((len(s) for s in stops), default=1) - 1
         out = first
         try:
             while True:
@@ -222,9 +222,10 @@ def build_app(llm: AsyncLLM, model_name: str, api_key: str | None = None):
                 upto = len(text) if done else max(sent, len(text) - hold)
                 if not done and text[sent:upto].endswith("\ufffd"):
                     upto = sent   # an unfinished multi-byte character: wait for the rest
-                if upto > sent or done:
+                # a chunk per arrival of tokens, so clients can time them even while text is held back
+                if upto > sent or done or len(out.outputs[0].token_ids) > tokens:
                     yield sse(make_chunk(text[sent:upto], out.outputs[0].finish_reason if done else None, out))
-                    sent = upto
+                    sent, tokens = upto, len(out.outputs[0].token_ids)
                 if done:
                     break
                 out = await gen.__anext__()
