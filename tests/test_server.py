@@ -113,6 +113,10 @@ def test_logprobs_stop_and_models(server, reference):
     cut = c.completions.create(model="smollm2", prompt="The capital of France is", max_tokens=12, temperature=0,
                                stop=[stop])
     assert cut.choices[0].text == full[:full.index(stop)] and cut.choices[0].finish_reason == "stop"
+    # streamed, the text before a stop string is held back until it cannot be part of it
+    parts = c.completions.create(model="smollm2", prompt="The capital of France is", max_tokens=12, temperature=0,
+                                 stop=[stop], stream=True)
+    assert "".join(ch.choices[0].text for ch in parts if ch.choices) == cut.choices[0].text
     metrics = http("GET", url + "/metrics")[1]
     assert "sparsevllm_time_to_first_token_seconds_count" in metrics and "sparsevllm_kv_pages_used" in metrics
 
