@@ -1,0 +1,189 @@
+"""python -m sparsevllm.tools.train_deltakv: train a DeltaKV compressor for a model.
+
+    python -m sparsevllm.tools.train_deltakv --out DIR [--model DIR] [--data FILE] [--steps 200] ...
+
+The model stays frozen (Hugging Face transformers, fp32 on a CPU, bf16 on a GPU). In every sparse
+layer (every layer but the full ones) attention reads reconstructed KV: the k_proj of that layer
+computes K and V together, sends x = [K ; V] through the compressor (references raw, every other
+token through its latent and its nearest references' mean) and returns the reconstructed K; v_proj
+returns the reconstructed V. The loss is the next-token cross-entropy plus mse_weight x the MSE
+between reconstructed and true x. Only the compressor trains.
+
+Data: --data (a text file) or, by default, CPython's documentation text (`pydoc_data`), which every
+Python has; windows of --seq_len tokens, drawn with --seed. A progress bar shows the losses; every
+--save_every steps a checkpoint (compressor, optimizer, step, data position) goes to OUT/checkpoint,
+and --resume continues from it. The compressor (compressor.safetensors + compressor.json) is written
+to OUT at the end, with the training data, steps and final losses in its JSON.
+"""
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+
+import torch
+from tqdm.auto import tqdm
+
+from sparsevllm.deltakv_compressor import TYPES, DeltaKVCompressor, make_config, validate_config
+
+logger = logging.getLogger(__name__)
+
+
+class _JointKV(torch.nn.Module):
+    """Stands in for a sparse layer's k_proj: computes K and V, reconstructs them through the
+    compressor, returns K; the paired _ReconstructedV returns V."""
+
+    def __init__(self, k_proj, v_proj, compressor, layer: int, state: dict):
+        super().__init__()
+        self.k_proj, self.v_proj, self.compressor = k_proj, v_proj, compressor
+        self.layer, self.state = layer, state
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        k, v = self.k_proj(hidden), self.v_proj(hidden)                 # [B, T, H_kv * D] each
+        if self.state["bypass"]:                                         # the dense reference loss
+            self.state["v"][self.layer] = v
+            return k
+        x = torch.cat([k, v], dim=-1)
+        x_hat = self.compressor.reconstruct(self.layer, x)
+        self.state["mse"].append(torch.nn.functional.mse_loss(x_hat.float(), x.float()))
+        self.state["v"][self.layer] = x_hat[..., k.shape[-1]:]
+        return x_hat[..., :k.shape[-1]]
+
+
+class _ReconstructedV(torch.nn.Module):
+    def __init__(self, layer: int, state: dict):
+        super().__init__()
+        self.layer, self.state = layer, state
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.layer not in self.state["v"]:
+            raise RuntimeError("v_proj ran before k_proj in this transformers version; the DeltaKV trainer "
+                               "relies on attention computing K before V")
+        return self.state["v"].pop(self.layer)
+
+
+def attach(model, compressor: DeltaKVCompressor) -> dict:
+    state = {"mse": [], "v": {}, "bypass": False}
+    for layer in compressor.config["layers"]:
+        attn = model.model.layers[layer].self_attn
+        k_proj, v_proj = attn.k_proj, attn.v_proj
+        attn.k_proj = _JointKV(k_proj, v_proj, compressor, layer, state)
+        attn.v_proj = _ReconstructedV(layer, state)
+    return state
+
+
+def token_stream(tokenizer, path: str | None) -> tuple[torch.Tensor, str]:
+    if path:
+        with open(path) as f:
+            text, source = f.read(), os.path.abspath(path)
+    else:
+        from sparsevllm.regression.text import pydoc_text
+        text, source = pydoc_text(), f"pydoc_data (CPython {sys.version.split()[0]})"
+    return torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long), source
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m sparsevllm.tools.train_deltakv", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="HF model folder (default: the embedded SmolLM2-135M-Instruct)")
+    ap.add_argument("--out", required=True, help="folder for the compressor (and OUT/checkpoint)")
+    ap.add_argument("--data", default=None, help="a text file (default: CPython's pydoc_data documentation text)")
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--batch_size", type=int, default=2)
+    ap.add_argument("--seq_len", type=int, default=512)
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--mse_weight", type=float, default=1.0)
+    ap.add_argument("--latent_dim", type=int, default=128)
+    ap.add_argument("--type", default="linear", choices=TYPES)
+    ap.add_argument("--cluster_ratio", type=float, default=0.1)
+    ap.add_argument("--neighbors", type=int, default=4)
+    ap.add_argument("--sink", type=int, default=8)
+    ap.add_argument("--full_layers", default=None, help="comma list of raw layers (default: 0,1,2,8,18 of 32, scaled)")
+    ap.add_argument("--save_every", type=int, default=50)
+    ap.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    args = ap.parse_args(argv)
+    for name in ("steps", "batch_size", "seq_len", "save_every"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name} must be >= 1")
+    logging.basicConfig(level=logging.WARNING)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from sparsevllm.default_model import resolve_model
+    from sparsevllm.models.config import ModelConfig, read_config_json
+    path = resolve_model(args.model)
+    model_config = ModelConfig.from_dict(read_config_json(path))
+    full = None if args.full_layers is None else [int(x) for x in args.full_layers.split(",") if x.strip()]
+    cfg = make_config(model_config, args.latent_dim, args.type, args.cluster_ratio, args.neighbors, args.sink, full)
+    try:
+        validate_config(cfg)
+    except ValueError as e:
+        ap.error(str(e))
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    torch.manual_seed(args.seed)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+    model.requires_grad_(False)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    compressor = DeltaKVCompressor(cfg).to(device)
+    state = attach(model, compressor)
+    opt = torch.optim.AdamW(compressor.parameters(), lr=args.lr)
+    tokens, source = token_stream(tokenizer, args.data)
+    if tokens.numel() <= args.seq_len + 1:
+        ap.error(f"the data holds {tokens.numel()} tokens, fewer than --seq_len + 1")
+    ckpt = os.path.join(args.out, "checkpoint")
+    start, history = 0, []
+    if args.resume and os.path.isfile(os.path.join(ckpt, "state.pt")):
+        saved = torch.load(os.path.join(ckpt, "state.pt"), map_location=device)
+        compressor.load_state_dict(saved["compressor"])
+        opt.load_state_dict(saved["optimizer"])
+        start, history = saved["step"], saved["history"]
+        logger.warning("resuming from step %d", start)
+    gen = torch.Generator().manual_seed(args.seed)
+    starts = torch.randint(0, tokens.numel() - args.seq_len - 1, (args.steps, args.batch_size), generator=gen)
+    # the frozen model's own loss on the first batch, for scale
+    state["bypass"] = True
+    with torch.no_grad():
+        first = torch.stack([tokens[s:s + args.seq_len + 1] for s in starts[0].tolist()]).to(device)
+        dense_ce = model(input_ids=first, labels=first).loss.item()
+    state["bypass"] = False
+    t0 = time.perf_counter()
+    bar = tqdm(range(start, args.steps), initial=start, total=args.steps, desc="train_deltakv", dynamic_ncols=True)
+    for step in bar:
+        batch = torch.stack([tokens[s:s + args.seq_len + 1] for s in starts[step].tolist()]).to(device)
+        state["mse"].clear()
+        out = model(input_ids=batch, labels=batch)      # transformers shifts the labels itself
+        ce = out.loss
+        mse = torch.stack(state["mse"]).mean()
+        loss = ce + args.mse_weight * mse
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        history.append({"step": step + 1, "ce": ce.item(), "mse": mse.item()})
+        bar.set_postfix(ce=f"{history[-1]['ce']:.3f}", mse=f"{history[-1]['mse']:.4f}")
+        if (step + 1) % args.save_every == 0 or step + 1 == args.steps:
+            os.makedirs(ckpt, exist_ok=True)
+            torch.save({"compressor": compressor.state_dict(), "optimizer": opt.state_dict(), "step": step + 1,
+                        "history": history}, os.path.join(ckpt, "state.pt"))
+    bar.close()
+    elapsed = time.perf_counter() - t0
+    last = history[-min(10, len(history)):] if history else []
+    final = {k: sum(h[k] for h in last) / max(len(last), 1) for k in ("ce", "mse")}
+    compressor.save(args.out, {"training": {"data": source, "steps": args.steps, "batch_size": args.batch_size,
+                                            "seq_len": args.seq_len, "lr": args.lr, "mse_weight": args.mse_weight,
+                                            "seed": args.seed, "device": device, "seconds_this_run": round(elapsed, 1),
+                                            "first_losses": history[0] if history else None,
+                                            "dense_ce_first_batch": dense_ce,
+                                            "final_losses_mean_last10": final}})
+    with open(os.path.join(args.out, "history.json"), "w") as f:
+        json.dump(history, f)
+    print(f"trained {args.steps} steps on {device} in {elapsed:.1f} s: ce {history[0]['ce']:.3f} -> {final['ce']:.3f} "
+          f"(the dense model: {dense_ce:.3f} on the first batch), mse {history[0]['mse']:.4f} -> {final['mse']:.4f}; "
+          f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,111 @@
+"""DeltaKV's compressor and trainer: references and their causal choice against a naive oracle, an
+identity-like compressor reconstructs exactly, the file format round-trips and refuses another
+model's shape or bad fields, and the trainer's loss falls on a tiny model in a few steps and resumes."""
+import json
+
+import pytest
+import torch
+
+from sparsevllm import deltakv_compressor as dc
+from sparsevllm.models.config import ModelConfig, read_config_json
+
+
+def naive_reference_mean(x, sink, stride, k):
+    T = x.shape[0]
+    refs = [p for p in range(T) if p < sink or (p - sink) % stride == 0]
+    out = x.clone()
+    for t in range(T):
+        if t in refs:
+            continue
+        earlier = [p for p in refs if p < t]                       # causal: only earlier references
+        d = sorted(earlier, key=lambda p: (float((x[t] - x[p]).double().norm()), p))[:k]
+        out[t] = torch.stack([x[p] for p in d]).mean(0)
+    return out
+
+
+@pytest.mark.parametrize("sink,stride,k", [(4, 10, 4), (1, 3, 2), (8, 5, 1)])
+def test_nearest_reference_mean_equals_a_causal_oracle(sink, stride, k):
+    g = torch.Generator().manual_seed(sink * 100 + stride)
+    x = torch.randn(57, 12, generator=g)
+    is_ref = dc.reference_mask(57, sink, stride)
+    assert is_ref[:sink].all() and is_ref[sink::stride].all() and int(is_ref.sum()) == sink + len(range(sink, 57, stride))
+    got = dc.nearest_reference_mean(x, is_ref, k)
+    torch.testing.assert_close(got, naive_reference_mean(x, sink, stride, k), atol=1e-6, rtol=1e-6)
+    batched = dc.nearest_reference_mean(torch.stack([x, x.flip(0)]), is_ref, k)
+    torch.testing.assert_close(batched[0], got)
+
+
+def model_config(tiny_model, **kw):
+    return ModelConfig.from_dict(read_config_json(tiny_model("llama", num_hidden_layers=4, **kw)))
+
+
+def test_identity_like_compressor_round_trip_is_exact(tiny_model):
+    mc = model_config(tiny_model)
+    cfg = dc.make_config(mc, latent_dim=2 * mc.num_key_value_heads * mc.head_dim, full_layers=[0])
+    comp = dc.DeltaKVCompressor(cfg)
+    with torch.no_grad():
+        for codec in comp.layers.values():
+            codec.down.weight.copy_(torch.eye(codec.down.weight.shape[0]))
+            codec.up.weight.copy_(torch.eye(codec.up.weight.shape[0]))
+            codec.down.bias.zero_()
+            codec.up.bias.zero_()
+    x = torch.randn(2, 40, 2 * mc.num_key_value_heads * mc.head_dim)
+    torch.testing.assert_close(comp.reconstruct(1, x), x, atol=1e-5, rtol=1e-5)
+
+
+def test_format_round_trips_and_refuses_other_shapes(tiny_model, tmp_path):
+    mc = model_config(tiny_model)
+    comp = dc.DeltaKVCompressor(dc.make_config(mc, latent_dim=8, kind="mlp_gelu", full_layers=[0, 2]))
+    comp.save(str(tmp_path / "c"), {"training": {"steps": 0}})
+    back = dc.load(str(tmp_path / "c"), mc)
+    assert back.config["layers"] == [1, 3] and back.config["training"] == {"steps": 0}
+    x = torch.randn(30, 2 * mc.num_key_value_heads * mc.head_dim)
+    torch.testing.assert_close(back.reconstruct(3, x), comp.reconstruct(3, x))
+    other = model_config(tiny_model, num_key_value_heads=4)
+    with pytest.raises(ValueError, match="trained for another model shape .*num_key_value_heads: compressor 2, model 4"):
+        dc.load(str(tmp_path / "c"), other)
+    with pytest.raises(ValueError, match="holds no compressor.json; train one"):
+        dc.load(str(tmp_path), mc)
+
+
+@pytest.mark.parametrize("field,value,msg", [
+    ("latent_dim", 0, "latent_dim=0 is invalid; valid: an integer > 0"),
+    ("cluster_ratio", 1.0, r"cluster_ratio=1.0 is invalid; valid: a number in \(0, 1\)"),
+    ("neighbors", 0, "neighbors=0 is invalid"), ("type", "conv", "type='conv' is invalid; valid: linear | mlp_gelu"),
+    ("full_layers", [0, 9], r"full_layers=\[0, 9\] is invalid; valid: layer ids in \[0, 3\]"),
+])
+def test_bad_compressor_fields_are_named(tiny_model, field, value, msg):
+    cfg = dc.make_config(model_config(tiny_model))
+    cfg[field] = value
+    with pytest.raises(ValueError, match=msg):
+        dc.validate_config(cfg)
+
+
+def test_trainer_loss_falls_and_resumes(tiny_model, tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from sparsevllm.tools import train_deltakv
+    path = tiny_model("llama", num_hidden_layers=3)
+    # a word-level tokenizer over the tiny vocabulary, so the trainer runs on text as it does for real models
+    vocab = {f"w{i}": i for i in range(256)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok).save_pretrained(path)
+    data = tmp_path / "data.txt"
+    g = torch.Generator().manual_seed(0)
+    # a repetitive corpus: reconstructing KV well is learnable in a few steps
+    data.write_text(" ".join(f"w{int(t)}" for t in torch.randint(3, 40, (3000,), generator=g)))
+    out = tmp_path / "comp"
+    args = ["--model", path, "--out", str(out), "--data", str(data), "--steps", "12", "--batch_size", "2",
+            "--seq_len", "64", "--latent_dim", "16", "--sink", "4", "--full_layers", "0", "--lr", "3e-3",
+            "--save_every", "6", "--device", "cpu"]
+    assert train_deltakv.main(args[:-6] + ["--steps", "6"] + args[-4:]) == 0   # 6 steps, checkpoint at 6
+    assert train_deltakv.main(args + ["--resume"]) == 0                      # resumes at 6, ends at 12
+    history = json.loads((out / "history.json").read_text())
+    assert [h["step"] for h in history] == list(range(1, 13))
+    first, last = history[0], history[-1]
+    assert last["mse"] < first["mse"] and (last["ce"] + last["mse"]) < (first["ce"] + first["mse"])
+    cfg = json.loads((out / "compressor.json").read_text())
+    assert cfg["training"]["steps"] == 12 and cfg["layers"] == [1, 2] and cfg["latent_dim"] == 16
+    dc.load(str(out), ModelConfig.from_dict(read_config_json(path)))
