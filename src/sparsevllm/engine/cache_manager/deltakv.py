@@ -156,6 +156,20 @@ def _sizes(config: EngineConfig, num_layers: int, num_kv_heads: int, head_dim: i
                 fixed=fixed_raw * n_sparse * token + scratch, scratch=scratch, latent=latent)
 
 
+def split_budget(config: EngineConfig, num_pages: int, num_layers: int, num_kv_heads: int, head_dim: int,
+                 dtype) -> tuple[int, int]:
+    """The runner's num_pages x bytes_per_page -> (full-layer pages, raw slots): the fixed raw room
+    and the scratch come off the top, the rest is pages at their steady-state bytes, and raw slots
+    are the pages' references plus the fixed room (never more than every token raw)."""
+    P, s = config.page_size, _sizes(config, num_layers, num_kv_heads, head_dim, dtype)
+    total = num_pages * DeltaKVCacheManager.bytes_per_page(config, num_layers, num_kv_heads, head_dim, dtype)
+    pages = int((total - s["fixed"]) // (P * s["steady"]))
+    if pages < 1:   # a pool too small to amortise the fixed room (a tiny explicit num_kv_pages)
+        pages = num_pages
+    stride = config.method_config.stride
+    return pages, max(1, min(pages * P + config.max_num_seqs, math.ceil(pages * P / stride) + s["fixed_raw"]))
+
+
 class _SlotStack:
     """One-token raw slots: a free stack on the host (numpy, so a 128K-token prompt is one slice)."""
 
@@ -209,14 +223,7 @@ class DeltaKVCacheManager(CacheManager):
         self.codecs = [compressor.layers[str(layer)] for layer in self.sparse_layers]
         self.latent_dim = compressor.config["latent_dim"]
 
-        # Split the byte budget the runner sized with bytes_per_page: the fixed raw room and the
-        # scratch first, the rest in pages whose tokens cost their steady-state bytes.
-        s = _sizes(config, num_layers, num_kv_heads, head_dim, dtype)
-        total = num_pages * self.bytes_per_page(config, num_layers, num_kv_heads, head_dim, dtype)
-        pages = int((total - s["fixed"]) // (P * s["steady"]))
-        if pages < 1:   # a pool too small to amortise the fixed room (tiny explicit num_kv_pages)
-            pages = num_pages
-        raw_slots = max(1, min(pages * P + config.max_num_seqs, math.ceil(pages * P / knobs.stride) + s["fixed_raw"]))
+        pages, raw_slots = split_budget(config, num_pages, num_layers, num_kv_heads, head_dim, dtype)
         self.pool = KVPool(len(self.full_layers), pages, P, num_kv_heads, head_dim, dtype, device)
         self.raw = KVPool(len(self.sparse_layers), raw_slots, 1, num_kv_heads, head_dim, dtype, device)
         n_sp = len(self.sparse_layers)
