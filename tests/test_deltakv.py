@@ -271,7 +271,10 @@ def test_deltakv_equals_vanilla_when_nothing_is_compressed(tiny_model, tmp_path,
 
 
 @pytest.mark.parametrize("lengths,chunk", [([300], 4096), ([300, 170, 45], 4096), ([230, 301], 64)])
-def test_deltakv_equals_vanilla_when_decode_keep_covers_every_compressed_token(tiny_model, tmp_path, lengths, chunk):
+def test_deltakv_equals_vanilla_when_decode_keep_covers_every_compressed_token(tiny_model, tmp_path, lengths, chunk,
+                                                                              monkeypatch):
+    from sparsevllm.engine.cache_manager import deltakv
+    monkeypatch.setattr(deltakv, "COMPRESS_CHUNK", 16)   # a long prompt's compression runs in chunks
     path = model(tiny_model)
     comp = compressor(path, tmp_path / "c", "identity")
     ps = prompts(lengths, seed=3)

@@ -66,6 +66,7 @@ from sparsevllm.kernels.rope_store import rope_store
 from sparsevllm.models.config import ModelConfig
 
 logger = logging.getLogger(__name__)
+COMPRESS_CHUNK = 8192   # tokens compressed together: [8192, 2 H D] fp32 + [8192, refs] distances
 
 
 def _is_int(x) -> bool:
@@ -200,6 +201,7 @@ class _Request:
         self.slots = np.full(max_len + 1, -1, dtype=np.int32)   # raw slot per position, -1: none
         self.upto = 0                                           # positions [0, upto) got a raw slot
         self.comp_end = sink                                    # [sink, comp_end) is compressed
+        self.prompt_end = 0                                     # raw slots its prefill will have taken
 
 
 class DeltaKVCacheManager(CacheManager):
@@ -224,6 +226,9 @@ class DeltaKVCacheManager(CacheManager):
         self.latent_dim = compressor.config["latent_dim"]
 
         pages, raw_slots = split_budget(config, num_pages, num_layers, num_kv_heads, head_dim, dtype)
+        logger.info("deltakv: %d full layers raw in %d pages of %d tokens, %d sparse layers with %d raw slots "
+                    "and latents of %d dims", len(self.full_layers), pages, P, len(self.sparse_layers), raw_slots,
+                    self.latent_dim)
         self.pool = KVPool(len(self.full_layers), pages, P, num_kv_heads, head_dim, dtype, device)
         self.raw = KVPool(len(self.sparse_layers), raw_slots, 1, num_kv_heads, head_dim, dtype, device)
         n_sp = len(self.sparse_layers)
@@ -340,13 +345,16 @@ class DeltaKVCacheManager(CacheManager):
 
     # ---- capacity and lifecycle --------------------------------------------------------------
     def can_admit(self, seq: Sequence) -> bool:
-        # Its prompt stays raw until prefill ends, so that much raw room must be free now.
-        return (bool(self.free_rows) and self.raw_slots.num_free >= len(seq) + 1
+        # Its prompt stays raw until its prefill ends, so that much raw room must be free now, after
+        # what the prompts still prefilling will take (else their next chunk would preempt them).
+        pending = sum(max(0, r.prompt_end - r.upto) for r in self.requests.values())
+        return (bool(self.free_rows) and self.raw_slots.num_free - pending >= len(seq) + 1
                 and self.pages_for(len(seq) + 1) <= self.allocator.num_free)
 
     def allocate(self, seq: Sequence) -> None:
         self.tables.open(seq, [])
-        self.requests[seq.seq_id] = _Request(self.free_rows.pop(), self.max_len, self.method_config.deltakv_sink)
+        req = self.requests[seq.seq_id] = _Request(self.free_rows.pop(), self.max_len, self.method_config.deltakv_sink)
+        req.prompt_end = len(seq)
         seq.num_computed_tokens = seq.cache_len = 0
 
     def reserve(self, seq: Sequence, num_new_tokens: int) -> bool:
@@ -520,13 +528,18 @@ class DeltaKVCacheManager(CacheManager):
         n, r = len(tok_pos), len(ref_pos)
         t_slots, t_pos, r_slots, r_pos, l_slots = (dev[:n], dev[n:2 * n], dev[2 * n:2 * n + r],
                                                    dev[2 * n + r:2 * n + 2 * r], dev[2 * n + 2 * r:])
+        # Chunks of tokens bound the transient [chunk, F] and [chunk, R] tensors (a 128K prompt is
+        # compressed at once), and each chunk is compared only with the references before it.
+        bounds = [(a, min(a + COMPRESS_CHUNK, n), int(np.searchsorted(ref_pos, tok_pos[min(a + COMPRESS_CHUNK, n) - 1])))
+                  for a in range(0, n, COMPRESS_CHUNK)]
         for i, codec in enumerate(self.codecs):
             k_cache, v_cache = self.raw.layer(i)
-            x = gather_x(k_cache, v_cache, t_slots, t_pos, self.cos_sin)
             refs = gather_x(k_cache, v_cache, r_slots, r_pos, self.cos_sin)
-            z, nbr = compress_block(x, refs, r_pos, t_pos, knobs.deltakv_neighbors, codec)
-            self.latents[i][l_slots] = z.to(self.latents.dtype)
-            self.neighbors[i][l_slots] = nbr
+            for a, b, nref in bounds:
+                x = gather_x(k_cache, v_cache, t_slots[a:b], t_pos[a:b], self.cos_sin)
+                z, nbr = compress_block(x, refs[:nref], r_pos[:nref], t_pos[a:b], knobs.deltakv_neighbors, codec)
+                self.latents[i][l_slots[a:b]] = z.to(self.latents.dtype)
+                self.neighbors[i][l_slots[a:b]] = nbr
         self.raw_map[req.row, t_pos] = -1
         self.raw_slots.give(req.slots[tok_pos])
         req.slots[tok_pos] = -1
