@@ -389,8 +389,8 @@ def test_compressed_tokens_free_their_raw_slots_and_references_stay(tiny_model, 
 
 def test_sizing_admits_about_three_times_as_many_128k_requests_as_vanilla():
     """Llama-3.1-8B's shape, 110 GiB of KV budget: vanilla's pages hold 6 requests of 128K + 256
-    tokens; DeltaKV's split of the same bytes (fixed raw room for one prompt's prefill and the
-    scratch off the top) holds about three times as many, counting pages and raw slots."""
+    tokens; DeltaKV's split of the same bytes (raw room for a prefill step's chunk and the scratch
+    off the top) holds over three times as many, counting pages and raw slots."""
     from sparsevllm.engine.cache_manager.deltakv import split_budget
     knobs = dict(max_model_len=131072 + 256, max_num_seqs=64, load_format="dummy")
     cfg = make_config(None, "deltakv", **knobs)
@@ -402,8 +402,8 @@ def test_sizing_admits_about_three_times_as_many_128k_requests_as_vanilla():
     pages, raw = split_budget(cfg, budget // DeltaKVCacheManager.bytes_per_page(cfg, 32, 8, 128, torch.bfloat16),
                               32, 8, 128, torch.bfloat16)
     per_request_raw = 8 + L // 10 + 2 * 128 + 1
-    deltakv_fit = min(pages // -(-L // 16), (raw - L) // per_request_raw)   # one prompt raw in prefill
-    assert vanilla_fit == 6 and deltakv_fit >= 3 * vanilla_fit
+    deltakv_fit = min(pages // -(-L // 16), (raw - 8192) // per_request_raw)   # one chunk raw in prefill
+    assert vanilla_fit == 6 and deltakv_fit >= 3 * vanilla_fit, deltakv_fit
     held = DeltaKVCacheManager.kv_tokens_held(cfg, 131072, 256)
     assert held <= 0.35 * L
     read = DeltaKVCacheManager.decode_kv_tokens_read(cfg, 32, 131072, 131072 + 100)
@@ -426,6 +426,16 @@ def test_memory_accounting_shows_freed_raw_slots(tiny_model, tmp_path):
     run(llm, prompts([400], seed=7), SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True))
     assert before["used_raw_slots"] == 0 and used[0] < 400 / 2
     assert cm.memory_accounting()["used_raw_slots"] == 0
+
+
+def test_chunked_prefill_never_holds_the_prompt_raw(tiny_model, tmp_path):
+    path = model(tiny_model)
+    comp = compressor(path, tmp_path / "c", "random", latent=4)
+    llm = LLM(path, vllm_sparse_method="deltakv", device="cpu", deltakv_compressor_path=comp, chunk_prefill_size=64,
+              max_num_batched_tokens=64, **SMALL)
+    run(llm, prompts([600], seed=8), SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    sink, w, stride = 4, 16, 4
+    assert llm.engine.cache_manager.raw_slots.peak_used <= sink + 2 * w + 64 + 600 // stride + 1
 
 
 # ---------------------------------------------------------------- GPU

@@ -20,19 +20,22 @@ Storage (the layout is this method's own):
   latents and reference positions beside it (a token's latent lives at its full-layer slot);
 - a raw pool for the sparse layers with one-token slots: a token holds a slot until it is
   compressed, references and the sink forever; the slot allocator is a free stack on the host;
+  room for one prefill step's new tokens and every request's sink and two windows is reserved;
 - per running request, a device row mapping position -> raw slot (-1: compressed), which the
   decode kernels read inside graphs;
 - one scratch of max_num_seqs x (sink + decode_keep + 2 windows) token slots, shared by the sparse
-  layers (each fills it just before its attention).
+  layers (each fills it just before its attention); a prefill chunk's rebuilt prefix (one layer,
+  made per step) is counted as max_model_len more.
 Admission and `bytes_per_page` count exactly these.
 
-When compression runs: in `on_step_end`, for a request whose known tokens are all computed after
-the step (the end of its prefill, or a decode step), when its raw tail reaches two windows: the
-oldest whole windows are compressed, leaving one window raw. Bookkeeping is planned on the host
-from counters the host knows; the device work (gathers, nearest references, the GEMMs) is queued
-after the step's forward and never synchronises. Prefill is chunked and dense: a prompt stays raw
-until its last chunk has run (later chunks attend to the raw prefix), so a request transiently
-holds its prompt raw; the raw pool keeps room for one max_model_len prompt for that.
+When compression runs: in `on_step_end`, after every step (prefill chunks included), for a request
+whose raw tail has reached two windows: the oldest whole windows are compressed, leaving one window
+raw. Bookkeeping is planned on the host from counters the host knows; the device work (gathers,
+nearest references, the GEMMs) is queued after the step's forward and never synchronises. Prefill
+is chunked: a chunk after the first attends (densely, unchanged math otherwise) to its prefix as the
+sparse layers hold it, the compressed tokens rebuilt into a per-step scratch, as the compressor was
+trained (attention over reconstructed KV). So a long prompt never sits raw in the sparse layers
+beyond one chunk and two windows.
 
 Deviations:
 - Prefix caching is off (capabilities): a hit would share full-layer pages but not the sparse
@@ -67,6 +70,7 @@ from sparsevllm.models.config import ModelConfig
 
 logger = logging.getLogger(__name__)
 COMPRESS_CHUNK = 8192   # tokens compressed together: [8192, 2 H D] fp32 + [8192, refs] distances
+PREFIX_PIECE = 16384    # prefix tokens rebuilt together for a prefill chunk: bounds the up(z) GEMM's output
 
 
 def _is_int(x) -> bool:
@@ -148,10 +152,11 @@ def _sizes(config: EngineConfig, num_layers: int, num_kv_heads: int, head_dim: i
     elt = torch.empty((), dtype=dtype).element_size()
     token = 2 * num_kv_heads * head_dim * elt                      # one token's K + V in one layer
     latent = n_sparse * ((knobs.deltakv_latent_dim or 128) * elt + 4 * knobs.deltakv_neighbors)
-    # Raw slots no request can do without: one whole prompt in prefill, and every running request's
-    # sink and two windows; the scratch views of a full batch.
-    fixed_raw = config.max_model_len + config.max_num_seqs * (knobs.deltakv_sink + 2 * knobs.deltakv_recent + 1)
-    scratch = config.max_num_seqs * knobs.view_capacity * token
+    # Raw slots no request can do without: a prefill step's new tokens (raw until its end), and every
+    # running request's sink and two windows. Scratch: the decode views of a full batch, and the
+    # reconstructed prefix of a prefill chunk (one layer of max_model_len tokens, made per step).
+    fixed_raw = config.max_num_batched_tokens + config.max_num_seqs * (knobs.deltakv_sink + 2 * knobs.deltakv_recent + 1)
+    scratch = (config.max_num_seqs * knobs.view_capacity + config.max_model_len) * token
     return dict(n_full=n_full, n_sparse=n_sparse, token=token, steady=n_full * token + latent
                 + n_sparse * token / knobs.stride, raw_slot=n_sparse * token, fixed_raw=fixed_raw,
                 fixed=fixed_raw * n_sparse * token + scratch, scratch=scratch, latent=latent)
@@ -201,7 +206,7 @@ class _Request:
         self.slots = np.full(max_len + 1, -1, dtype=np.int32)   # raw slot per position, -1: none
         self.upto = 0                                           # positions [0, upto) got a raw slot
         self.comp_end = sink                                    # [sink, comp_end) is compressed
-        self.prompt_end = 0                                     # raw slots its prefill will have taken
+        self.prompt_end = 0                                     # its prompt's length
 
 
 class DeltaKVCacheManager(CacheManager):
@@ -345,10 +350,13 @@ class DeltaKVCacheManager(CacheManager):
 
     # ---- capacity and lifecycle --------------------------------------------------------------
     def can_admit(self, seq: Sequence) -> bool:
-        # Its prompt stays raw until its prefill ends, so that much raw room must be free now, after
-        # what the prompts still prefilling will take (else their next chunk would preempt them).
-        pending = sum(max(0, r.prompt_end - r.upto) for r in self.requests.values())
-        return (bool(self.free_rows) and self.raw_slots.num_free - pending >= len(seq) + 1
+        # Raw room for its references, its sink and two windows and one chunk, after the references
+        # the prompts still prefilling will keep (else their next chunk would preempt them).
+        knobs = self.method_config
+        stride, w = knobs.stride, knobs.deltakv_recent
+        pending = sum(max(0, r.prompt_end - r.upto) // stride for r in self.requests.values())
+        need = min(len(seq) + 1, knobs.deltakv_sink + 2 * w + self.config.chunk_prefill_size) + len(seq) // stride
+        return (bool(self.free_rows) and self.raw_slots.num_free - pending >= need
                 and self.pages_for(len(seq) + 1) <= self.allocator.num_free)
 
     def allocate(self, seq: Sequence) -> None:
@@ -409,9 +417,17 @@ class DeltaKVCacheManager(CacheManager):
         self.raw_map[token_rows, step.positions] = raw_slots.to(torch.int32)
         step.extras["deltakv_raw_slots"] = raw_slots
         step.extras["deltakv_rows"] = dev[2 * T:2 * T + B]
+        self._prefix = None
         if is_prefill:
             width = max(s.cache_len + n for s, n in zip(seqs, num_tokens))
             step.extras["deltakv_raw_tables"] = self.raw_map[step.extras["deltakv_rows"], :width].contiguous()
+            if any(r.comp_end > self.method_config.deltakv_sink for r in reqs):
+                # Some chunk attends to a compressed prefix: each sparse layer rebuilds the whole
+                # prefix (+ the chunk) into one scratch, request after request.
+                lens = [s.cache_len + n for s, n in zip(seqs, num_tokens)]
+                offsets = np.cumsum([0] + lens[:-1])
+                self._prefix = (lens, offsets.tolist(),
+                                self.positions[:, :width] + to_device(offsets, self.device, torch.int32).view(-1, 1))
         else:
             step.extras["deltakv_comp_end"] = dev[2 * T + B:].to(torch.int32)
         return step
@@ -440,8 +456,25 @@ class DeltaKVCacheManager(CacheManager):
         if self.roles[layer_id][0] == "full":
             k_cache, v_cache = self.pool.layer(i)
             return PrefillView(k_cache, v_cache, step.block_tables, step.cache_lens, self.page_size)
-        k_cache, v_cache = self.raw.layer(i)   # the prompt is all raw until its prefill ends
-        return PrefillView(k_cache, v_cache, step.extras["deltakv_raw_tables"], step.cache_lens, 1)
+        k_cache, v_cache = self.raw.layer(i)
+        if self._prefix is None:   # nothing compressed yet: the raw slots are the prefix
+            return PrefillView(k_cache, v_cache, step.extras["deltakv_raw_tables"], step.cache_lens, 1)
+        lens, offsets, table = self._prefix
+        out_k = torch.empty(sum(lens), self.num_kv_heads, self.head_dim, dtype=self.dtype, device=self.device)
+        out_v = torch.empty_like(out_k)
+        P, codec = self.page_size, self.codecs[i]
+        rows = step.extras["deltakv_rows"]
+        for b, (length, off) in enumerate(zip(lens, offsets)):
+            for a in range(0, length, PREFIX_PIECE):
+                m = min(PREFIX_PIECE, length - a)
+                pos = self.positions[0, a:a + m].long()
+                latent_slots = step.block_tables[b].long()[pos // P] * P + pos % P
+                up_z = codec.up(self.latents[i][latent_slots]).view(1, m, -1)
+                nbr = self.neighbors[i][latent_slots].view(1, m, -1)
+                reconstruct(pos.view(1, m).to(torch.int32), torch.full((1,), m, dtype=torch.int32, device=self.device),
+                            rows[b:b + 1], self.raw_map, k_cache, v_cache, up_z.contiguous(), nbr, 0, self.cos_sin,
+                            out_k[off + a:off + a + m], out_v[off + a:off + a + m])
+        return PrefillView(out_k, out_v, table, step.cache_lens, 1)
 
     def build_decode_view(self, layer_id: int, q: torch.Tensor, step: StepState) -> DecodeView:
         role, arg = self.roles[layer_id]
@@ -503,8 +536,6 @@ class DeltaKVCacheManager(CacheManager):
     def on_step_end(self, step: StepState) -> None:
         w = self.method_config.deltakv_recent
         for seq, n in zip(step.seqs, step.num_tokens):
-            if step.is_prefill and seq.num_computed_tokens + n < len(seq):
-                continue   # later chunks of this prompt attend to its raw prefix
             req = self.requests[seq.seq_id]
             length = seq.cache_len + n
             if length - req.comp_end >= 2 * w:
