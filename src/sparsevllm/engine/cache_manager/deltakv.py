@@ -43,7 +43,8 @@ Deviations:
 - The sparse layers' raw pool stores K after RoPE (prefill attention reads it); compression and
   reconstruction rotate references back by their positions (exact up to rounding).
 - Qwen3's k-norm runs in the model before the cache hook, so the engine compresses the normed K
-  and reconstructs into it; no k-norm is applied again after reconstruction.
+  (the paper: K before the norm, re-normed after reconstruction); the trainer learns on the same
+  normed K, and no k-norm is applied again after reconstruction.
 - up(z) and down(x) run as cuBLAS GEMMs (torch modules); the Triton kernels do the gathers, the
   reference means, the rotations and the scratch writes.
 - A compressed token's references are stored as positions (int32 each), not re-derived.
