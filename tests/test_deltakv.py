@@ -484,3 +484,24 @@ def test_gpu_deltakv_equals_vanilla_with_identity_compressor(tiny_model, tmp_pat
     got = run(LLM(path, vllm_sparse_method="deltakv", device="cuda", dtype="float32", deltakv_compressor_path=comp,
                   deltakv_decode_keep=1024, **SMALL), ps, sp)
     assert got == want
+
+
+@gpu
+def test_gpu_deltakv_dummy_compressor_bf16_graphs_free_raw_slots(tiny_model):
+    """load_format="dummy" builds a random compressor of the configured shape; the bf16 engine with
+    graphs runs batch 3 over compressed contexts (chunked prefill included) and returns every slot."""
+    path = model(tiny_model)
+    llm = LLM(path, vllm_sparse_method="deltakv", device="cuda", load_format="dummy", chunk_prefill_size=128,
+              deltakv_decode_keep=64, **SMALL)
+    assert llm.execution_mode == "cuda_graph"
+    cm = llm.engine.cache_manager
+    used = []
+    on_step_end = cm.on_step_end
+
+    def logged(step):
+        on_step_end(step)
+        used.append(cm.memory_accounting()["used_raw_slots"])
+    cm.on_step_end = logged
+    outs = run(llm, prompts([700, 650, 90], seed=10), SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True))
+    assert all(len(o) == 50 for o in outs)
+    assert max(used) < (700 + 650) / 2
