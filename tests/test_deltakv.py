@@ -16,7 +16,6 @@ import pytest  # noqa: E402
 
 from sparsevllm import LLM, SamplingParams  # noqa: E402
 from sparsevllm import deltakv_compressor as dc  # noqa: E402
-from sparsevllm.config import EngineConfig  # noqa: E402
 from sparsevllm.engine.cache_manager.deltakv import DeltaKVCacheManager, layer_roles  # noqa: E402
 from sparsevllm.engine.cache_manager.vanilla import VanillaCacheManager  # noqa: E402
 from sparsevllm.kernels import deltakv as kd  # noqa: E402
@@ -206,7 +205,6 @@ def recon_case(B=3, C=20, S=8, H=2, D=8, NBR=2, seed=0, dtype=torch.float32):
 def test_compress_then_reconstruct_with_an_identity_compressor_is_exact():
     n, H, D, sink, stride = 50, 2, 8, 4, 3
     k, v, slots, cos_sin = pool_case(n, H, D)
-    pos = torch.arange(n)
     is_ref = dc.reference_mask(n, sink, stride)
     ref_pos, tok_pos = torch.nonzero(is_ref).squeeze(-1), torch.nonzero(~is_ref).squeeze(-1)
     F = 2 * H * D

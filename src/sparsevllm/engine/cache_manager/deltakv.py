@@ -47,7 +47,9 @@ Deviations:
   normed K, and no k-norm is applied again after reconstruction.
 - up(z) and down(x) run as cuBLAS GEMMs (torch modules); the Triton kernels do the gathers, the
   reference means, the rotations and the scratch writes.
-- A compressed token's references are stored as positions (int32 each), not re-derived.
+- Prefill compresses chunk by chunk, so a chunk after the first reads the compressed part of its
+  prefix rebuilt from the latents rather than raw (this is what bounds a long prompt's raw memory).
+- The nearest references are found in fp32 by cdist, a chunk of tokens at a time.
 """
 import logging
 import math
@@ -58,7 +60,7 @@ import torch
 
 from sparsevllm import deltakv_compressor as dc
 from sparsevllm.config import EngineConfig, MethodConfig
-from sparsevllm.engine.cache_manager.base import Capabilities, CacheManager
+from sparsevllm.engine.cache_manager.base import CacheManager, Capabilities
 from sparsevllm.engine.kv_pool import KVPool, PageAllocator, PageTables
 from sparsevllm.engine.sequence import Sequence
 from sparsevllm.engine.staging import HostStaging, to_device
@@ -223,7 +225,7 @@ class DeltaKVCacheManager(CacheManager):
         self.page_size = P = config.page_size
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
         self.device, self.dtype = device, dtype
-        compressor = self._compressor(num_layers, num_kv_heads, head_dim)
+        compressor = self._compressor()
         self.full_layers = knobs.deltakv_full_layers
         self.roles = layer_roles(num_layers, self.full_layers)
         self.sparse_layers = [i for i in range(num_layers) if self.roles[i][0] == "sparse"]
@@ -256,7 +258,7 @@ class DeltaKVCacheManager(CacheManager):
         self.positions = torch.arange(width, dtype=torch.int32, device=device).view(1, width)
         self.cos_sin = None   # the rotary table, seen at the first store_kv
 
-    def _compressor(self, num_layers, num_kv_heads, head_dim) -> dc.DeltaKVCompressor:
+    def _compressor(self) -> dc.DeltaKVCompressor:
         knobs = self.method_config
         model_config = getattr(knobs, "_model_config", None)
         if knobs.deltakv_compressor_path is not None:
@@ -347,7 +349,7 @@ class DeltaKVCacheManager(CacheManager):
         total = prompt_len + output_len
         compressed = max(0, total - knobs.deltakv_sink - 2 * knobs.deltakv_recent)
         per_sparse = total - compressed + compressed / knobs.stride + compressed * (knobs.deltakv_latent_dim or 128) / 2048
-        return int(math.ceil((n_full * total + n_sparse * per_sparse) / (n_full + n_sparse)))
+        return math.ceil((n_full * total + n_sparse * per_sparse) / (n_full + n_sparse))
 
     # ---- capacity and lifecycle --------------------------------------------------------------
     def can_admit(self, seq: Sequence) -> bool:
@@ -495,7 +497,7 @@ class DeltaKVCacheManager(CacheManager):
             controller.put(f"deltakv.{arg}", chosen)
         view_pos, lengths, latent_slots = chosen
         i = self.index[layer_id]
-        B, cap = view_pos.shape
+        B = view_pos.shape[0]
         up_z = self.codecs[i].up(self.latents[i][latent_slots])                     # [B, keep, 2 H D]
         nbr = self.neighbors[i][latent_slots]
         k_cache, v_cache = self.raw.layer(i)
