@@ -253,6 +253,25 @@ def test_reconstruct_triton_matches_reference(dtype):
     torch.testing.assert_close(outs[0][1], outs[1][1], atol=2e-3, rtol=2e-3)
 
 
+@interp
+def test_engine_with_the_triton_kernels_equals_the_references(tiny_model, tmp_path, monkeypatch):
+    """The decode and prefill paths with every DeltaKV Triton kernel (interpreted on the CPU) give
+    the tokens the torch references give: the GPU wiring, short of graphs."""
+    from sparsevllm.engine.cache_manager import deltakv
+    from sparsevllm.kernels import omnikv
+    path = model(tiny_model)
+    comp = compressor(path, tmp_path / "c", "random", latent=6)
+    ps = prompts([150, 90], seed=11)
+    sp = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    knobs = dict(vllm_sparse_method="deltakv", device="cpu", deltakv_compressor_path=comp, deltakv_decode_keep=12,
+                 chunk_prefill_size=64, **SMALL)
+    want = run(LLM(path, **knobs), ps, sp)
+    monkeypatch.setattr(deltakv, "reconstruct", kd.reconstruct_triton)
+    monkeypatch.setattr(deltakv, "gather_x", kd.gather_x_triton)
+    monkeypatch.setattr(deltakv, "select_tokens", omnikv.select_tokens_triton)
+    assert run(LLM(path, **knobs), ps, sp) == want
+
+
 # ---------------------------------------------------------------- engine: equal to vanilla
 
 @pytest.mark.parametrize("chunk", [4096, 64])

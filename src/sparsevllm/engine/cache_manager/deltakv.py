@@ -521,10 +521,12 @@ class DeltaKVCacheManager(CacheManager):
         n_comp = (comp_end - sink).to(torch.int32)
         table, n_sel = select_tokens(scores[:, sink:], torch.full_like(n_comp, keep), self.positions[:, :T - sink]
                                      .expand(B, T - sink), n_comp, n_comp, 1)
-        sel = table[:, 0, :keep].long() + sink
-        if sel.shape[1] < keep:
-            sel = torch.nn.functional.pad(sel, (0, keep - sel.shape[1]), value=sink)
         n_sel = n_sel.view(B).long()
+        sel = table[:, 0, :keep].long()
+        if sel.shape[1] < keep:
+            sel = torch.nn.functional.pad(sel, (0, keep - sel.shape[1]))
+        # The Triton select leaves entries past a row's count unwritten: never gather through them.
+        sel = torch.where(torch.arange(keep, device=sel.device).view(1, keep) < n_sel.view(B, 1), sel, 0) + sink
         j = torch.arange(cap, device=scores.device).view(1, cap)
         picked = sel.gather(1, (j - sink).clamp(0, keep - 1).expand(B, cap))
         tail = comp_end.view(B, 1) + j - sink - n_sel.view(B, 1)
