@@ -427,6 +427,32 @@ def test_sizing_admits_about_three_times_as_many_128k_requests_as_vanilla():
     assert read < 0.35 * 131072
 
 
+def test_same_memory_decodes_more_long_requests_together_than_vanilla(tiny_model, tmp_path):
+    """The pool sized from the same cpu_kv_cache_gb: vanilla decodes 5 requests of 900 tokens at
+    once, DeltaKV (7 of 8 layers compressed) twice as many, in no more bytes."""
+    path = tiny_model("llama", num_hidden_layers=8)
+    comp = compressor(path, tmp_path / "c", "random", full=(0,), latent=4)
+    common = dict(device="cpu", max_num_seqs=12, max_num_batched_tokens=256, chunk_prefill_size=256,
+                  cpu_kv_cache_gb=0.01, max_model_len=1024)
+    small = {**SMALL, "deltakv_full_layers": [0], "deltakv_decode_keep": 16}
+    ps = prompts([900] * 12, seed=12)
+    sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    peaks, pools = [], []
+    for knobs in ({}, dict(vllm_sparse_method="deltakv", deltakv_compressor_path=comp, **small)):
+        llm = LLM(path, **common, **knobs)
+        running, step, peak = llm.engine.scheduler.running, llm.engine.step, [0]
+
+        def counted(step=step, running=running, peak=peak):
+            out = step()
+            peak[0] = max(peak[0], sum(not s.in_prefill for s in running))
+            return out
+        llm.engine.step = counted
+        run(llm, ps, sp)
+        peaks.append(peak[0])
+        pools.append(llm.engine.cache_manager.memory_accounting()["kv_pool_bytes"])
+    assert pools[1] <= pools[0] and peaks[0] == 5 and peaks[1] >= 2 * peaks[0], (peaks, pools)
+
+
 def test_memory_accounting_shows_freed_raw_slots(tiny_model, tmp_path):
     path = model(tiny_model)
     comp = compressor(path, tmp_path / "c", "random", latent=4)
