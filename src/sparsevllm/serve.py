@@ -116,6 +116,21 @@ def prometheus(llm: AsyncLLM, model: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+class _ApiKeyCheck:
+    """`Authorization: Bearer KEY` on /v1/ routes, as plain ASGI: Starlette's @app.middleware("http")
+    passes every streamed chunk through an extra task and memory stream."""
+
+    def __init__(self, app, api_key: str):
+        self.app, self.expected = app, f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"].startswith("/v1/") and \
+                dict(scope["headers"]).get(b"authorization") != self.expected:
+            response = error_response(401, "invalid or missing API key", None, "authentication_error")
+            return await response(scope, receive, send)
+        return await self.app(scope, receive, send)
+
+
 def build_app(llm: AsyncLLM, model_name: str, api_key: str | None = None):
     if FastAPI is None:
         raise ImportError('the server needs FastAPI and uvicorn: pip install -e ".[server]"')
@@ -137,12 +152,8 @@ def build_app(llm: AsyncLLM, model_name: str, api_key: str | None = None):
     async def api_error(_, exc: APIError):
         return error_response(exc.status, exc.message, exc.param, exc.kind)
 
-    @app.middleware("http")
-    async def check_key(request: Request, call_next):
-        if api_key and request.url.path.startswith("/v1/") and \
-                request.headers.get("authorization") != f"Bearer {api_key}":
-            return error_response(401, "invalid or missing API key", None, "authentication_error")
-        return await call_next(request)
+    if api_key:
+        app.add_middleware(_ApiKeyCheck, api_key=api_key)
 
     @app.get("/health")
     async def health():
@@ -372,6 +383,9 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"serving {name} ({args.sparse_method}) on http://{args.host}:{args.port}/v1", file=sys.stderr)
+    # The engine thread and the HTTP event loop share the GIL; at the default 5 ms switch interval
+    # the engine can wait most of a decode step for the loop to let go.
+    sys.setswitchinterval(float(os.environ.get("SPARSEVLLM_SWITCH_INTERVAL", 0.0005)))
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     finally:

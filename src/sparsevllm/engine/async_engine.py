@@ -43,6 +43,11 @@ class _Stream:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
 
 
+def _deliver(batch: list) -> None:
+    for stream, item in batch:
+        stream.queue.put_nowait(item)
+
+
 class AsyncLLM:
     def __init__(self, engine: LLMEngine):
         self.engine = engine
@@ -126,6 +131,8 @@ class AsyncLLM:
         self.engine.reset_in_flight()
 
     def _publish(self) -> None:
+        # One cross-thread wake-up per event loop a step, not one per request and step.
+        batches: dict[asyncio.AbstractEventLoop, list] = {}
         for seq_id, stream in list(self._streams.items()):
             seq = stream.seq
             try:
@@ -147,7 +154,9 @@ class AsyncLLM:
                 stream.push(RuntimeError(seq.error))
                 del self._streams[seq_id]
                 continue
-            stream.push(out)
+            batches.setdefault(stream.loop, []).append((stream, out))
             if finished:
                 self.stats.requests_finished += 1
                 del self._streams[seq_id]
+        for loop, batch in batches.items():
+            loop.call_soon_threadsafe(_deliver, batch)
