@@ -117,13 +117,14 @@ def test_decode_attention_triton_single_split_writes_the_output_itself(G_is_head
 @interp
 @pytest.mark.parametrize("P", [1, 16])
 def test_decode_attention_reports_token_scores(P, monkeypatch):
-    """With a token_scores buffer the attention also leaves, per token of a G = 1 row, the max over
-    query heads of its raw logit (what an OmniKV filter layer selects from), across several splits."""
+    """With a token_scores buffer the attention also leaves, per token of a G = 1 row and KV group,
+    the max over the group's query heads of its raw logit (an OmniKV filter layer selects from the
+    max over groups), across several splits; entries past a row's length are left alone."""
     monkeypatch.setattr(da, "MIN_SPLIT_TOKENS", 16)
     g = torch.Generator().manual_seed(P + 31)
     q, k_cache, v_cache, table, lengths = decode_case(g, 3, 4, 2, 32, P, 1, {1: 70, 16: 5}[P], torch.float32, "cpu")
     T = table.shape[2] * P
-    got = torch.full((3, T), float("-inf"))
+    got = torch.full((3, 2, T), float("-inf"))
     want = got.clone()
     out = da.decode_attention_triton(q, k_cache, v_cache, table, lengths, P, 0.2, got)
     close(out, da.decode_attention_ref(q, k_cache, v_cache, table, lengths, P, 0.2, want), torch.float32)
@@ -132,9 +133,10 @@ def test_decode_attention_reports_token_scores(P, monkeypatch):
     pos = torch.arange(T)
     slots = (table[:, 0].long()[:, pos // P] * P + pos % P)                      # [B, T]
     keys = k_cache[slots].repeat_interleave(2, dim=2)                             # [B, T, H_q, D]
-    logits = torch.einsum("bhd,bthd->bht", q, keys).amax(1) * 0.2
-    valid = pos.view(1, T) < lengths.view(3, 1)
+    logits = torch.einsum("bhd,bthd->bht", q, keys).view(3, 2, 2, T).amax(2) * 0.2   # [B, H_kv, T]
+    valid = (pos.view(1, T) < lengths.view(3, 1)).unsqueeze(1).expand(3, 2, T)
     torch.testing.assert_close(want[valid], logits[valid], atol=1e-5, rtol=1e-5)
+    assert torch.isinf(want[~valid]).all()
 
 
 @interp

@@ -28,7 +28,6 @@ except ImportError:   # the module still imports (for --help and a clear error) 
     FastAPI = None
     BaseModel, ConfigDict = object, dict
 
-LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
 class _Sampling(BaseModel):
@@ -93,14 +92,13 @@ def prometheus(llm: AsyncLLM, model: str) -> str:
     def metric(name, kind, help_, value):
         lines.extend([f"# HELP {name} {help_}", f"# TYPE {name} {kind}", f'{name}{{model="{model}"}} {value}'])
 
-    def histogram(name, help_, values):
+    def histogram(name, help_, h):
         lines.extend([f"# HELP {name} {help_}", f"# TYPE {name} histogram"])
-        vals = list(values)
-        for le in LATENCY_BUCKETS:
-            lines.append(f'{name}_bucket{{model="{model}",le="{le}"}} {sum(v <= le for v in vals)}')
-        lines.append(f'{name}_bucket{{model="{model}",le="+Inf"}} {len(vals)}')
-        lines.append(f'{name}_sum{{model="{model}"}} {sum(vals)}')
-        lines.append(f'{name}_count{{model="{model}"}} {len(vals)}')
+        for le, n in zip(h.bounds, h.counts):
+            lines.append(f'{name}_bucket{{model="{model}",le="{le}"}} {n}')
+        lines.append(f'{name}_bucket{{model="{model}",le="+Inf"}} {h.count}')
+        lines.append(f'{name}_sum{{model="{model}"}} {h.sum}')
+        lines.append(f'{name}_count{{model="{model}"}} {h.count}')
 
     metric("sparsevllm_num_requests_running", "gauge", "requests in the running batch", len(eng.scheduler.running))
     metric("sparsevllm_num_requests_waiting", "gauge", "requests waiting for admission", len(eng.scheduler.waiting))
@@ -114,6 +112,21 @@ def prometheus(llm: AsyncLLM, model: str) -> str:
     histogram("sparsevllm_time_to_first_token_seconds", "time to first token", st.ttft)
     histogram("sparsevllm_inter_token_latency_seconds", "time between consecutive tokens", st.itl)
     return "\n".join(lines) + "\n"
+
+
+class _ApiKeyCheck:
+    """`Authorization: Bearer KEY` on /v1/ routes, as plain ASGI: Starlette's @app.middleware("http")
+    passes every streamed chunk through an extra task and memory stream."""
+
+    def __init__(self, app, api_key: str):
+        self.app, self.expected = app, f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"].startswith("/v1/") and \
+                dict(scope["headers"]).get(b"authorization") != self.expected:
+            response = error_response(401, "invalid or missing API key", None, "authentication_error")
+            return await response(scope, receive, send)
+        return await self.app(scope, receive, send)
 
 
 def build_app(llm: AsyncLLM, model_name: str, api_key: str | None = None):
@@ -137,12 +150,8 @@ def build_app(llm: AsyncLLM, model_name: str, api_key: str | None = None):
     async def api_error(_, exc: APIError):
         return error_response(exc.status, exc.message, exc.param, exc.kind)
 
-    @app.middleware("http")
-    async def check_key(request: Request, call_next):
-        if api_key and request.url.path.startswith("/v1/") and \
-                request.headers.get("authorization") != f"Bearer {api_key}":
-            return error_response(401, "invalid or missing API key", None, "authentication_error")
-        return await call_next(request)
+    if api_key:
+        app.add_middleware(_ApiKeyCheck, api_key=api_key)
 
     @app.get("/health")
     async def health():
@@ -372,6 +381,9 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"serving {name} ({args.sparse_method}) on http://{args.host}:{args.port}/v1", file=sys.stderr)
+    # The engine thread and the HTTP event loop share the GIL; at the default 5 ms switch interval
+    # the engine can wait most of a decode step for the loop to let go.
+    sys.setswitchinterval(float(os.environ.get("SPARSEVLLM_SWITCH_INTERVAL", 0.0005)))
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     finally:

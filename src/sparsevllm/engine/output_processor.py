@@ -62,13 +62,13 @@ class OutputProcessor:
             logprobs=s.output_logprobs, finish_reason=s.finish_reason, stop_reason=s.stop_reason)
             for i, s in enumerate(request.group)]
         errors = [s.error for s in request.group if s.error]
-        times = [t for s in request.group for t in s.token_times]
+        times = [s.token_times[-1] for s in request.group if s.token_times]
         firsts = [s.first_token_time for s in request.group if s.first_token_time is not None]
         metrics = {"arrival_time": request.arrival_time, "first_token_time": min(firsts) if firsts else None,
                    "finish_time": max(times) if times else request.arrival_time,
                    "token_times": list(request.token_times)}
         return RequestOutput(request_id=str(request.seq_id), prompt=request.prompt,
-                             prompt_token_ids=request.token_ids[:request.num_prompt_tokens],
+                             prompt_token_ids=request.prompt_token_ids,
                              prompt_logprobs=request.prompt_logprobs, outputs=outputs,
                              finished=all(s.is_finished for s in request.group),
                              error=errors[0] if errors else None, metrics=metrics)

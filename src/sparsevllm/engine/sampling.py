@@ -83,7 +83,7 @@ def sample_step(step: StepState, logits: torch.Tensor, generators: dict[int, tor
                               step.input_ids[input_rows], -1)
         shaped = shaped.clone()
         shaped[rows] = apply_penalties(
-            raw[rows], [seqs[j].token_ids[:seqs[j].num_prompt_tokens] for j in penalized],
+            raw[rows], [seqs[j].prompt_token_ids for j in penalized],
             [seqs[j].completion_token_ids for j in penalized], pending, [seqs[j].params for j in penalized])
     # min_tokens: no EOS or stop token before that many tokens exist.
     masked = [(j, t) for j, s in enumerate(seqs) if s.num_generated < s.params.min_tokens

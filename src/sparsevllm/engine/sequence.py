@@ -21,6 +21,7 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.token_ids = list(token_ids)
         self.num_prompt_tokens = len(token_ids)
+        self.prompt_token_ids = self.token_ids[:]   # never changes; outputs share it instead of slicing
         self.params = params
         # Tokens whose K/V have been computed: the RoPE position of the next input token. It is the
         # logical length and never shrinks except when the request is preempted (recomputed).

@@ -13,8 +13,8 @@ class DecodeView:
     """What one decode attention reads: row (b, g) covers pages table[b, g, :ceil(len / P)] of
     k_cache / v_cache. G = 1 (shared by all KV heads), H_kv (one set per KV head) or H_q (one set
     per query head: a GQA group's query heads then read their KV head's pages separately).
-    token_scores (optional, G = 1): an fp32 [B, N * P] buffer, filled with -inf, that the attention
-    raises to each token's raw logit max over query heads, for a method that selects from them
+    token_scores (optional, G = 1): an fp32 [B, H_kv, N * P] buffer the attention fills with each
+    token's raw logit max over each KV group's query heads, for a method that selects from them
     (an OmniKV filter layer) without reading the keys again."""
     k_cache: torch.Tensor
     v_cache: torch.Tensor

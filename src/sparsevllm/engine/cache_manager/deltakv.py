@@ -487,13 +487,14 @@ class DeltaKVCacheManager(CacheManager):
             view = DecodeView(k_cache, v_cache, step.block_tables.unsqueeze(1), step.cache_lens.unsqueeze(1),
                               self.page_size)
             if arg:   # the next layer is sparse: this layer's attention scores every token for it
-                view.token_scores = torch.full((q.shape[0], step.block_tables.shape[1] * self.page_size),
-                                               float("-inf"), dtype=torch.float32, device=q.device)
-                controller.put(f"deltakv.{layer_id}", view.token_scores)
+                view.token_scores = torch.empty(q.shape[0], self.num_kv_heads,
+                                                step.block_tables.shape[1] * self.page_size,
+                                                dtype=torch.float32, device=q.device)
+                controller.put(f"deltakv.{layer_id}", view.token_scores)   # [B, H_kv, T]: max over groups below
             return view
         chosen = controller.get(f"deltakv.{arg}")
         if isinstance(chosen, torch.Tensor):   # first sparse layer of the run: select once for the run
-            chosen = self._select(chosen, step)
+            chosen = self._select(chosen.amax(dim=1), step)
             controller.put(f"deltakv.{arg}", chosen)
         view_pos, lengths, latent_slots = chosen
         i = self.index[layer_id]

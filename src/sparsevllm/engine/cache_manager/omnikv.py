@@ -159,9 +159,10 @@ class OmniKVCacheManager(CacheManager):
             if self.selector == "last":
                 # The filter layer's own dense attention computes every q . k anyway: it reports the
                 # max over heads per token instead of a scoring pass reading the keys again.
-                view.token_scores = torch.full((q.shape[0], step.block_tables.shape[1] * self.page_size),
-                                               float("-inf"), dtype=torch.float32, device=q.device)
-                scores = view.token_scores
+                view.token_scores = torch.empty(q.shape[0], self.num_kv_heads,
+                                                step.block_tables.shape[1] * self.page_size,
+                                                dtype=torch.float32, device=q.device)
+                scores = view.token_scores              # [B, H_kv, T]: the max over groups comes below
             else:
                 scores = omnikv_scores(q, self.pool.layer(layer_id)[0], step.block_tables, step.cache_lens,
                                        step.extras["omnikv_prompt_lens"], self.page_size, self.scale,
@@ -172,6 +173,8 @@ class OmniKVCacheManager(CacheManager):
         # the others reuse the selection.
         selection = controller.get(f"omnikv.{source}")
         if isinstance(selection, torch.Tensor):
+            if selection.dim() == 3:    # the filter attention's per-group maxima: [B, H_kv, T] -> [B, T]
+                selection = selection.amax(dim=1)
             selection = select_tokens(selection, step.extras["omnikv_keep"], step.block_tables, step.cache_lens,
                                       step.extras["omnikv_prompt_lens"], self.page_size)
             controller.put(f"omnikv.{source}", selection)
