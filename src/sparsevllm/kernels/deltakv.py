@@ -137,27 +137,23 @@ def reconstruct_ref(view_pos: torch.Tensor, lengths: torch.Tensor, rows: torch.T
     live = j.view(1, C) < lengths.long().view(B, 1)
     pos = view_pos.long().clamp(0, min(raw_map.shape[1], cos_sin_cache.shape[0]) - 1)   # padding entries
     slot = raw_map[rows.long().view(B, 1), pos].long()                                # [B, C]
-    raw = slot >= 0
-    # compressed entries: x = up(z) + r
-    s = (j - head).clamp(0, S - 1).view(1, C).expand(B, C)
-    refs = nbr.long().gather(1, s.unsqueeze(-1).expand(B, C, nbr.shape[-1]))         # [B, C, k]
-    ref_ok = refs >= 0
-    ref_slot = raw_map[rows.long().view(B, 1, 1), refs.clamp(min=0)].long().clamp(min=0)
+    dest = torch.arange(B, device=view_pos.device).view(B, 1) * C + j.view(1, C)
+    raw = live & (slot >= 0)
+    out_k[dest[raw]] = k_cache[slot[raw]].to(out_k.dtype)
+    out_v[dest[raw]] = v_cache[slot[raw]].to(out_v.dtype)
+    # compressed entries: x = up(z) + r, r the mean of the references (RoPE undone), K re-rotated
+    bi, ji = torch.nonzero(live & (slot < 0), as_tuple=True)
+    si = (ji - head).clamp(0, S - 1)
+    refs = nbr[bi, si].long()                                                         # [n, k]
+    ok = (refs >= 0).float().unsqueeze(-1)
+    ref_slot = raw_map[rows.long()[bi].view(-1, 1), refs.clamp(min=0)].long().clamp(min=0)
     cos, sin = _cos_sin(cos_sin_cache, refs.clamp(min=0))
-    ref_k = _rotate(k_cache[ref_slot], cos, sin, -1.0)                                # [B, C, k, H, D]
-    ref_x = torch.cat([ref_k.flatten(-2), v_cache[ref_slot].float().flatten(-2)], dim=-1)
-    w = ref_ok.float().unsqueeze(-1)
-    r = (ref_x * w).sum(2) / w.sum(2).clamp(min=1)
-    x = up_z.float().gather(1, s.unsqueeze(-1).expand(B, C, up_z.shape[-1])) + r      # [B, C, F]
-    cos, sin = _cos_sin(cos_sin_cache, pos)
-    k_new = _rotate(x[..., :H * D].view(B, C, H, D), cos, sin, 1.0)
-    v_new = x[..., H * D:].view(B, C, H, D)
-    k_raw, v_raw = k_cache[slot.clamp(min=0)].float(), v_cache[slot.clamp(min=0)].float()
-    k_out = torch.where(raw.view(B, C, 1, 1), k_raw, k_new)
-    v_out = torch.where(raw.view(B, C, 1, 1), v_raw, v_new)
-    flat = (torch.arange(B, device=view_pos.device).view(B, 1) * C + j.view(1, C))[live]
-    out_k[flat] = k_out[live].to(out_k.dtype)
-    out_v[flat] = v_out[live].to(out_v.dtype)
+    ref_x = torch.cat([_rotate(k_cache[ref_slot], cos, sin, -1.0).flatten(-2),
+                       v_cache[ref_slot].float().flatten(-2)], dim=-1)                 # [n, k, F]
+    x = up_z[bi, si].float() + (ref_x * ok).sum(1) / ok.sum(1).clamp(min=1)
+    cos, sin = _cos_sin(cos_sin_cache, pos[bi, ji])
+    out_k[dest[bi, ji]] = _rotate(x[:, :H * D].view(-1, H, D), cos, sin, 1.0).to(out_k.dtype)
+    out_v[dest[bi, ji]] = x[:, H * D:].view(-1, H, D).to(out_v.dtype)
 
 
 @jit
