@@ -51,9 +51,11 @@ class _JointKV(torch.nn.Module):
         if self.state["bypass"]:                                         # the dense reference loss
             self.state["v"][self.layer] = v
             return k
-        x = torch.cat([k, v], dim=-1)
+        # The compressor trains in fp32 beside a bf16 model on a GPU; attention gets the model's dtype.
+        x = torch.cat([k, v], dim=-1).float()
         x_hat = self.compressor.reconstruct(self.layer, x)
-        self.state["mse"].append(torch.nn.functional.mse_loss(x_hat.float(), x.float()))
+        self.state["mse"].append(torch.nn.functional.mse_loss(x_hat, x))
+        x_hat = x_hat.to(k.dtype)
         self.state["v"][self.layer] = x_hat[..., k.shape[-1]:]
         return x_hat[..., :k.shape[-1]]
 
