@@ -1,0 +1,91 @@
+"""Tensor-parallel linear layers (groundwork for issue #17; the models do not use them yet).
+
+Each rank holds only its slice of a weight; `weight_loader(param, full_or_part, shard_id)` copies that
+slice out of a checkpoint tensor so a rank never materialises another rank's weights on its device.
+With tp_size == 1 every class is a plain linear (no communication), so TP=1 stays the same code path.
+Column-parallel: output features split, no communication. Row-parallel: input features split, one
+all-reduce of the partial sums (the only collective of an attention block or an MLP).
+"""
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+
+def tp_rank_size() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+class ColumnParallelLinear(nn.Module):
+    """y[:, rank's columns] = x @ W[rank's rows].T; output stays sharded (feeds attention or the act)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+        super().__init__()
+        self.tp_rank, self.tp_size = tp_rank_size()
+        assert out_features % self.tp_size == 0, (out_features, self.tp_size)
+        self.weight = nn.Parameter(torch.empty(out_features // self.tp_size, in_features))
+        self.bias = nn.Parameter(torch.empty(out_features // self.tp_size)) if bias else None
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None):
+        n = param.shape[0]
+        param.data.copy_(loaded.narrow(0, self.tp_rank * n, n))
+
+    def forward(self, x):
+        return F.linear(x, self.weight, self.bias)
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """gate_up: each of the `sizes` blocks is split by columns; the rank keeps [gate_r | up_r]."""
+
+    def __init__(self, in_features: int, sizes: list[int], bias: bool = False):
+        self.sizes = sizes
+        super().__init__(in_features, sum(sizes), bias)
+
+    def weight_loader(self, param, loaded, shard_id: int):
+        n = self.sizes[shard_id] // self.tp_size
+        off = sum(self.sizes[:shard_id]) // self.tp_size
+        param.data.narrow(0, off, n).copy_(loaded.narrow(0, self.tp_rank * n, n))
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """Fused q/k/v split by heads: rank r keeps query heads and KV heads [r*h/tp, (r+1)*h/tp).
+    KV heads must divide by tp_size (checked by the engine before weights load)."""
+
+    def __init__(self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False):
+        _, tp = tp_rank_size()
+        assert num_heads % tp == 0 and num_kv_heads % tp == 0, (num_heads, num_kv_heads, tp)
+        self.q_size = num_heads // tp * head_dim
+        self.kv_size = num_kv_heads // tp * head_dim
+        super().__init__(hidden, (num_heads + 2 * num_kv_heads) * head_dim, bias)
+
+    def weight_loader(self, param, loaded, shard_id: int):
+        n = (self.q_size, self.kv_size, self.kv_size)[shard_id]
+        off = (0, self.q_size, self.q_size + self.kv_size)[shard_id]
+        param.data.narrow(0, off, n).copy_(loaded.narrow(0, self.tp_rank * n, n))
+
+
+class RowParallelLinear(nn.Module):
+    """y = sum over ranks of x[:, rank's cols] @ W[:, rank's cols].T: one all-reduce. The bias (if any)
+    is added once, after the reduction, so it is not counted tp_size times."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+        super().__init__()
+        self.tp_rank, self.tp_size = tp_rank_size()
+        assert in_features % self.tp_size == 0, (in_features, self.tp_size)
+        self.weight = nn.Parameter(torch.empty(out_features, in_features // self.tp_size))
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+
+    def weight_loader(self, param, loaded, shard_id=None):
+        if param is self.bias:
+            param.data.copy_(loaded)
+            return
+        n = param.shape[1]
+        param.data.copy_(loaded.narrow(1, self.tp_rank * n, n))
+
+    def forward(self, x):
+        y = F.linear(x, self.weight)
+        if self.tp_size > 1:
+            dist.all_reduce(y)  # plain collective: capturable in a CUDA graph under NCCL, same order on every rank
+        return y if self.bias is None else y + self.bias
