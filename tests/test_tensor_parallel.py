@@ -49,7 +49,18 @@ def _worker(rank, world, port, results):
         ref_attn = F.linear(F.linear(x, q), o)
         kv_rows = kv_heads // world * hd
         ok_kv = torch.equal(kl, F.linear(x, k[rank * kv_rows:(rank + 1) * kv_rows]))
-        results[rank] = (torch.allclose(mlp, ref_mlp, atol=1e-4), torch.allclose(attn, ref_attn, atol=1e-4), ok_kv,
+        from sparsevllm.layers.parallel_linear import ParallelLMHead, VocabParallelEmbedding
+        vocab = 20
+        emb_w = torch.randn(vocab, hidden)
+        emb = VocabParallelEmbedding(vocab, hidden)
+        emb.weight_loader(emb.weight, emb_w)
+        head = ParallelLMHead(vocab, hidden, tied_to=emb)
+        ids = torch.tensor([0, 9, 10, 19, 3])
+        h = emb(ids)
+        logits = head(h)
+        ok_vocab = torch.equal(h, emb_w[ids]) and tuple(emb.weight.shape) == (vocab // world, hidden)
+        ok_vocab = ok_vocab and (logits is None if rank else torch.allclose(logits, h @ emb_w.T, atol=1e-4))
+        results[rank] = (ok_vocab, torch.allclose(mlp, ref_mlp, atol=1e-4), torch.allclose(attn, ref_attn, atol=1e-4), ok_kv,
                          tuple(gu.weight.shape), tuple(dn.weight.shape), tuple(qkv.weight.shape))
     finally:
         dist.destroy_process_group()
@@ -59,8 +70,8 @@ def test_parallel_linear_two_ranks_equal_dense():
     results = mp.Manager().dict()
     mp.spawn(_worker, args=(2, _free_port(), results), nprocs=2, join=True)
     for rank in range(2):
-        mlp_ok, attn_ok, kv_ok, gu_shape, dn_shape, qkv_shape = results[rank]
-        assert mlp_ok and attn_ok and kv_ok, (rank, results[rank])
+        vocab_ok, mlp_ok, attn_ok, kv_ok, gu_shape, dn_shape, qkv_shape = results[rank]
+        assert vocab_ok and mlp_ok and attn_ok and kv_ok, (rank, results[rank])
         assert gu_shape == (48, 32) and dn_shape == (32, 24) and qkv_shape == ((4 + 2 * 2) * 8 // 2, 32)
 
 

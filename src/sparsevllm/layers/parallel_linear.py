@@ -89,3 +89,46 @@ class RowParallelLinear(nn.Module):
         if self.tp_size > 1:
             dist.all_reduce(y)  # plain collective: capturable in a CUDA graph under NCCL, same order on every rank
         return y if self.bias is None else y + self.bias
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Rank r holds vocab rows [r*V/tp, (r+1)*V/tp); tokens outside the slice embed to zero and one
+    all-reduce sums the ranks' rows (exactly one rank contributes each token)."""
+
+    def __init__(self, vocab_size: int, hidden: int):
+        super().__init__()
+        self.tp_rank, self.tp_size = tp_rank_size()
+        assert vocab_size % self.tp_size == 0, (vocab_size, self.tp_size)
+        self.part = vocab_size // self.tp_size
+        self.start = self.tp_rank * self.part
+        self.weight = nn.Parameter(torch.empty(self.part, hidden))
+
+    def weight_loader(self, param, loaded, shard_id=None):
+        param.data.copy_(loaded.narrow(0, self.start, self.part))
+
+    def forward(self, ids):
+        if self.tp_size == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.start
+        mask = (local >= 0) & (local < self.part)
+        y = F.embedding(local.clamp(0, self.part - 1), self.weight) * mask.unsqueeze(-1).to(self.weight.dtype)
+        dist.all_reduce(y)
+        return y
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """Logits for the rank's vocab slice, gathered to rank 0 (the only rank that samples); other
+    ranks return None. Ties to the embedding by sharing the same (identically sliced) parameter."""
+
+    def __init__(self, vocab_size: int, hidden: int, tied_to: VocabParallelEmbedding | None = None):
+        super().__init__(vocab_size, hidden)
+        if tied_to is not None:
+            self.weight = tied_to.weight
+
+    def forward(self, x):
+        logits = F.linear(x, self.weight)
+        if self.tp_size == 1:
+            return logits
+        parts = [torch.empty_like(logits) for _ in range(self.tp_size)] if self.tp_rank == 0 else None
+        dist.gather(logits, parts, dst=0)
+        return torch.cat(parts, dim=-1) if self.tp_rank == 0 else None
