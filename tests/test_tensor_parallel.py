@@ -79,3 +79,22 @@ def test_tp_size_gt_1_is_a_clear_error_until_wired():
     from sparsevllm.method_registry import make_config
     with pytest.raises(ValueError, match="tensor_parallel_size"):
         make_config(tensor_parallel_size=2)
+
+
+def test_weight_loader_reads_only_the_slice_from_safetensors(tmp_path):
+    """A rank's loader reads its rows/columns straight from the file (safetensors get_slice)."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+    from sparsevllm.layers.parallel_linear import RowParallelLinear, QKVParallelLinear
+    w = torch.arange(8 * 6, dtype=torch.float32).view(8, 6)
+    save_file({"w": w}, str(tmp_path / "m.safetensors"))
+    row = RowParallelLinear(6, 8)
+    row.tp_rank, row.tp_size = 1, 2  # pretend to be rank 1 of 2 (no process group needed to load)
+    row.weight = torch.nn.Parameter(torch.empty(8, 3))
+    with safe_open(str(tmp_path / "m.safetensors"), framework="pt") as f:
+        row.weight_loader(row.weight, f.get_slice("w"))
+    assert torch.equal(row.weight.data, w[:, 3:])
+    qkv = QKVParallelLinear(6, 2, 2, 1)
+    with safe_open(str(tmp_path / "m.safetensors"), framework="pt") as f:
+        qkv.weight_loader(qkv.weight, f.get_slice("w")[:4], 0)
+    assert torch.equal(qkv.weight.data[:4], w[:4])

@@ -12,6 +12,18 @@ import torch.nn.functional as F
 from torch import nn
 
 
+def narrow(loaded, dim: int, start: int, n: int) -> torch.Tensor:
+    """`loaded.narrow` for a tensor or a safetensors slice (f.get_slice(name)): on a slice only the
+    rank's rows/columns are read from the file, never the whole checkpoint tensor."""
+    if isinstance(loaded, torch.Tensor):
+        return loaded.narrow(dim, start, n)
+    return loaded[start:start + n] if dim == 0 else loaded[:, start:start + n]
+
+
+def full(loaded) -> torch.Tensor:
+    return loaded if isinstance(loaded, torch.Tensor) else loaded[:]
+
+
 def tp_rank_size() -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
@@ -30,7 +42,7 @@ class ColumnParallelLinear(nn.Module):
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None):
         n = param.shape[0]
-        param.data.copy_(loaded.narrow(0, self.tp_rank * n, n))
+        param.data.copy_(narrow(loaded, 0, self.tp_rank * n, n))
 
     def forward(self, x):
         return F.linear(x, self.weight, self.bias)
@@ -46,7 +58,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     def weight_loader(self, param, loaded, shard_id: int):
         n = self.sizes[shard_id] // self.tp_size
         off = sum(self.sizes[:shard_id]) // self.tp_size
-        param.data.narrow(0, off, n).copy_(loaded.narrow(0, self.tp_rank * n, n))
+        param.data.narrow(0, off, n).copy_(narrow(loaded, 0, self.tp_rank * n, n))
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -63,7 +75,7 @@ class QKVParallelLinear(ColumnParallelLinear):
     def weight_loader(self, param, loaded, shard_id: int):
         n = (self.q_size, self.kv_size, self.kv_size)[shard_id]
         off = (0, self.q_size, self.q_size + self.kv_size)[shard_id]
-        param.data.narrow(0, off, n).copy_(loaded.narrow(0, self.tp_rank * n, n))
+        param.data.narrow(0, off, n).copy_(narrow(loaded, 0, self.tp_rank * n, n))
 
 
 class RowParallelLinear(nn.Module):
@@ -79,10 +91,10 @@ class RowParallelLinear(nn.Module):
 
     def weight_loader(self, param, loaded, shard_id=None):
         if param is self.bias:
-            param.data.copy_(loaded)
+            param.data.copy_(full(loaded))
             return
         n = param.shape[1]
-        param.data.copy_(loaded.narrow(1, self.tp_rank * n, n))
+        param.data.copy_(narrow(loaded, 1, self.tp_rank * n, n))
 
     def forward(self, x):
         y = F.linear(x, self.weight)
@@ -104,7 +116,7 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = nn.Parameter(torch.empty(self.part, hidden))
 
     def weight_loader(self, param, loaded, shard_id=None):
-        param.data.copy_(loaded.narrow(0, self.start, self.part))
+        param.data.copy_(narrow(loaded, 0, self.start, self.part))
 
     def forward(self, ids):
         if self.tp_size == 1:
