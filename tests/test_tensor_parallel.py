@@ -60,6 +60,11 @@ def _worker(rank, world, port, results):
         logits = head(h)
         ok_vocab = torch.equal(h, emb_w[ids]) and tuple(emb.weight.shape) == (vocab // world, hidden)
         ok_vocab = ok_vocab and (logits is None if rank else torch.allclose(logits, h @ emb_w.T, atol=1e-4))
+        from sparsevllm.distributed import combine_shared_scores
+        # rank r scores its own heads; the combined token scores (and so the top-k) agree across ranks
+        scores = torch.tensor([[1.0, 5.0, 2.0, 0.0]]) if rank == 0 else torch.tensor([[4.0, 0.0, 3.0, 6.0]])
+        combine_shared_scores(scores)
+        ok_vocab = ok_vocab and torch.equal(scores, torch.tensor([[4.0, 5.0, 3.0, 6.0]]))
         results[rank] = (ok_vocab, torch.allclose(mlp, ref_mlp, atol=1e-4), torch.allclose(attn, ref_attn, atol=1e-4), ok_kv,
                          tuple(gu.weight.shape), tuple(dn.weight.shape), tuple(qkv.weight.shape))
     finally:
@@ -98,3 +103,10 @@ def test_weight_loader_reads_only_the_slice_from_safetensors(tmp_path):
     with safe_open(str(tmp_path / "m.safetensors"), framework="pt") as f:
         qkv.weight_loader(qkv.weight, f.get_slice("w")[:4], 0)
     assert torch.equal(qkv.weight.data[:4], w[:4])
+
+
+def test_kv_heads_not_divisible_is_a_clear_error():
+    from sparsevllm.distributed import check_kv_heads
+    check_kv_heads(4, 8, 2)
+    with pytest.raises(ValueError, match="tensor_parallel_size=2 must divide"):
+        check_kv_heads(3, 6, 2)
