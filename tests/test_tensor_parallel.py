@@ -16,9 +16,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, world, port, results):
+def _worker(rank, world, port, results, backend="gloo"):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    dist.init_process_group(backend, rank=rank, world_size=world)
+    if backend == "nccl":  # same code on two GPUs: default tensors on this rank's GPU
+        torch.cuda.set_device(rank)
+        torch.set_default_device(f"cuda:{rank}")
     try:
         from sparsevllm.layers.parallel_linear import (MergedColumnParallelLinear, QKVParallelLinear,
                                                        RowParallelLinear)
@@ -78,6 +81,15 @@ def test_parallel_linear_two_ranks_equal_dense():
         vocab_ok, mlp_ok, attn_ok, kv_ok, gu_shape, dn_shape, qkv_shape = results[rank]
         assert vocab_ok and mlp_ok and attn_ok and kv_ok, (rank, results[rank])
         assert gu_shape == (48, 32) and dn_shape == (32, 24) and qkv_shape == ((4 + 2 * 2) * 8 // 2, 32)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_parallel_linear_two_gpus_nccl_equal_dense():
+    results = mp.Manager().dict()
+    mp.spawn(_worker, args=(2, _free_port(), results, "nccl"), nprocs=2, join=True)
+    for rank in range(2):
+        assert all(results[rank][:4]), (rank, results[rank])
 
 
 def test_tp_size_gt_1_is_a_clear_error_until_wired():
