@@ -1,7 +1,11 @@
-"""The same long prompt (a passkey hidden in ~800 tokens of filler) through vanilla, QuEST, SnapKV and OmniKV.
+"""The same long prompt (a passkey hidden in ~800 tokens of filler) through vanilla, QuEST, SnapKV and OmniKV,
+and DeltaKV when a compressor is given (it needs one trained for the model, ~30 min on a CPU):
 
-    python examples/long_context_methods.py
+    python -m sparsevllm.tools.train_deltakv --out deltakv_smollm2     # optional, once
+    DELTAKV_COMPRESSOR=deltakv_smollm2 python examples/long_context_methods.py
 """
+import os
+
 from sparsevllm import LLM, SamplingParams
 
 filler = "The grass is green. The sky is blue. The sun is yellow. Here we go. " * 20
@@ -11,7 +15,9 @@ sp = SamplingParams(temperature=0.0, max_tokens=12)
 for method, knobs in [("vanilla", {}),
                       ("quest", {"quest_token_budget": 256}),
                       ("snapkv", {"snapkv_capacity": 256}),
-                      ("omnikv", {"omnikv_num_selected": 64})]:
+                      ("omnikv", {"omnikv_num_selected": 64})] + (
+        [("deltakv", {"deltakv_compressor_path": os.environ["DELTAKV_COMPRESSOR"], "deltakv_decode_keep": 64})]
+        if os.environ.get("DELTAKV_COMPRESSOR") else []):
     llm = LLM(vllm_sparse_method=method, **knobs)
     out = llm.chat([{"role": "user", "content": prompt}], sp, use_tqdm=False)[0]
     print(f"{method:8s} {len(out['prompt_token_ids'])} prompt tokens -> {out['text']!r}")

@@ -109,3 +109,36 @@ def test_trainer_loss_falls_and_resumes(tiny_model, tmp_path):
     cfg = json.loads((out / "compressor.json").read_text())
     assert cfg["training"]["steps"] == 12 and cfg["layers"] == [1, 2] and cfg["latent_dim"] == 16
     dc.load(str(out), ModelConfig.from_dict(read_config_json(path)))
+
+
+def test_trainer_compresses_k_after_the_k_norm_as_the_engine_sees_it(tiny_model):
+    """Qwen3 (q/k norm): with an identity-like compressor the attached model equals the original,
+    and the x it compresses holds K after the k-norm."""
+    import transformers
+
+    from sparsevllm.tools import train_deltakv
+    path = tiny_model("qwen3", num_hidden_layers=3)
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    ids = torch.randint(3, 250, (1, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = model(input_ids=ids).logits
+        attn = model.model.layers[1].self_attn
+        hidden = torch.randn(1, 5, model.config.hidden_size)
+        k_normed = attn.k_norm(attn.k_proj(hidden).view(1, 5, -1, attn.head_dim)).flatten(-2)
+    cfg = dc.make_config(ModelConfig.from_dict(read_config_json(path)), latent_dim=2 * 2 * 16, full_layers=[0])
+    comp = dc.DeltaKVCompressor(cfg)
+    F = cfg["latent_dim"]
+    with torch.no_grad():
+        for codec in comp.layers.values():
+            for lin in (codec.down, codec.up):
+                lin.weight.copy_(torch.eye(F))
+                lin.bias.zero_()
+    seen = []
+    reconstruct = comp.reconstruct
+    comp.reconstruct = lambda layer, x: seen.append((layer, x)) or reconstruct(layer, x)
+    train_deltakv.attach(model, comp)
+    with torch.no_grad():
+        got = model(input_ids=ids).logits
+        model.model.layers[1].self_attn.k_proj(hidden)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(seen[-1][1][..., :k_normed.shape[-1]], k_normed)

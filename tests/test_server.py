@@ -194,3 +194,14 @@ def test_online_benchmark_reports_latencies_and_throughput(tmp_path):
         assert 0 < r["ttft_p50_ms"] <= r["ttft_p99_ms"] and 0 < r["e2e_p50_ms"] <= r["e2e_p99_ms"]
         assert r["itl_p50_ms"] is not None
     assert (out / "summary.md").read_text().count("|") > 20 and (out / "plot.png").stat().st_size > 0
+
+
+def test_latency_histogram_counts_like_a_naive_count():
+    """/metrics' histograms keep bucket counts, not every observation (constant memory)."""
+    from sparsevllm.engine.async_engine import Histogram
+    values = [0.0, 0.005, 0.0051, 0.3, 2.5, 100.0] + [i / 997 for i in range(500)]
+    h = Histogram()
+    for v in values:
+        h.observe(v)
+    assert h.counts == [sum(v <= le for v in values) for le in h.bounds]
+    assert h.count == len(values) and abs(h.sum - sum(values)) < 1e-9

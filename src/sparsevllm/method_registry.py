@@ -9,13 +9,15 @@ import difflib
 
 from sparsevllm.config import ENGINE_KNOBS, EngineConfig
 from sparsevllm.engine.cache_manager.base import CacheManager
+from sparsevllm.engine.cache_manager.deltakv import DeltaKVCacheManager
 from sparsevllm.engine.cache_manager.omnikv import OmniKVCacheManager
 from sparsevllm.engine.cache_manager.quest import QuestCacheManager
 from sparsevllm.engine.cache_manager.snapkv import SnapKVCacheManager
 from sparsevllm.engine.cache_manager.vanilla import VanillaCacheManager
 
 METHODS: dict[str, type[CacheManager]] = {
-    cls.method_name: cls for cls in (VanillaCacheManager, SnapKVCacheManager, QuestCacheManager, OmniKVCacheManager)}
+    cls.method_name: cls for cls in (VanillaCacheManager, SnapKVCacheManager, QuestCacheManager, OmniKVCacheManager,
+                                     DeltaKVCacheManager)}
 
 
 def available_methods() -> list[str]:

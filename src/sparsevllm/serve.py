@@ -28,7 +28,6 @@ except ImportError:   # the module still imports (for --help and a clear error) 
     FastAPI = None
     BaseModel, ConfigDict = object, dict
 
-LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
 class _Sampling(BaseModel):
@@ -93,14 +92,13 @@ def prometheus(llm: AsyncLLM, model: str) -> str:
     def metric(name, kind, help_, value):
         lines.extend([f"# HELP {name} {help_}", f"# TYPE {name} {kind}", f'{name}{{model="{model}"}} {value}'])
 
-    def histogram(name, help_, values):
+    def histogram(name, help_, h):
         lines.extend([f"# HELP {name} {help_}", f"# TYPE {name} histogram"])
-        vals = list(values)
-        for le in LATENCY_BUCKETS:
-            lines.append(f'{name}_bucket{{model="{model}",le="{le}"}} {sum(v <= le for v in vals)}')
-        lines.append(f'{name}_bucket{{model="{model}",le="+Inf"}} {len(vals)}')
-        lines.append(f'{name}_sum{{model="{model}"}} {sum(vals)}')
-        lines.append(f'{name}_count{{model="{model}"}} {len(vals)}')
+        for le, n in zip(h.bounds, h.counts):
+            lines.append(f'{name}_bucket{{model="{model}",le="{le}"}} {n}')
+        lines.append(f'{name}_bucket{{model="{model}",le="+Inf"}} {h.count}')
+        lines.append(f'{name}_sum{{model="{model}"}} {h.sum}')
+        lines.append(f'{name}_count{{model="{model}"}} {h.count}')
 
     metric("sparsevllm_num_requests_running", "gauge", "requests in the running batch", len(eng.scheduler.running))
     metric("sparsevllm_num_requests_waiting", "gauge", "requests waiting for admission", len(eng.scheduler.waiting))

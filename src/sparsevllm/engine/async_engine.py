@@ -8,6 +8,7 @@ exception while a step runs fails the requests of that step, frees their pages a
 running; an exception while one request's output is built fails that request alone.
 """
 import asyncio
+import bisect
 import logging
 import queue
 import threading
@@ -22,6 +23,24 @@ from sparsevllm.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class Histogram:
+    """Cumulative bucket counts, a sum and a count: constant memory however long the server runs."""
+
+    def __init__(self, bounds=LATENCY_BUCKETS):
+        self.bounds = bounds
+        self.counts = [0] * len(bounds)   # observations <= bounds[i]
+        self.sum, self.count = 0.0, 0
+
+    def observe(self, value: float) -> None:
+        self.sum += value
+        self.count += 1
+        for i in range(bisect.bisect_left(self.bounds, value), len(self.bounds)):
+            self.counts[i] += 1
+
+
 @dataclass
 class Stats:
     """What /metrics reports, updated by the engine thread."""
@@ -29,8 +48,8 @@ class Stats:
     generation_tokens: int = 0
     requests_finished: int = 0
     started: float = field(default_factory=time.time)
-    ttft: list[float] = field(default_factory=list)
-    itl: list[float] = field(default_factory=list)
+    ttft: Histogram = field(default_factory=Histogram)
+    itl: Histogram = field(default_factory=Histogram)
 
 
 class _Stream:
@@ -141,10 +160,11 @@ class AsyncLLM:
                 if new <= 0 and not finished:
                     continue
                 if stream.sent == 0 and new > 0 and seq.first_token_time is not None:
-                    self.stats.ttft.append(seq.first_token_time - seq.arrival_time)
+                    self.stats.ttft.observe(seq.first_token_time - seq.arrival_time)
                 # inter-token latencies of the tokens learned since the last publication
                 times = seq.token_times[max(0, stream.sent - 1):]
-                self.stats.itl.extend(b - a for a, b in zip(times, times[1:]))
+                for a, b in zip(times, times[1:]):
+                    self.stats.itl.observe(b - a)
                 self.stats.generation_tokens += max(new, 0)
                 stream.sent = seq.num_completion_tokens
                 out: RequestOutput = self.engine.output(seq)

@@ -4,7 +4,8 @@
 
 The model stays frozen (Hugging Face transformers, fp32 on a CPU, bf16 on a GPU). In every sparse
 layer (every layer but the full ones) attention reads reconstructed KV: the k_proj of that layer
-computes K and V together, sends x = [K ; V] through the compressor (references raw, every other
+computes K and V together (K after the per-head k-norm where the model has one, as the engine's
+cache sees it), sends x = [K ; V] through the compressor (references raw, every other
 token through its latent and its nearest references' mean) and returns the reconstructed K; v_proj
 returns the reconstructed V. The loss is the next-token cross-entropy plus mse_weight x the MSE
 between reconstructed and true x. Only the compressor trains.
@@ -34,13 +35,19 @@ class _JointKV(torch.nn.Module):
     """Stands in for a sparse layer's k_proj: computes K and V, reconstructs them through the
     compressor, returns K; the paired _ReconstructedV returns V."""
 
-    def __init__(self, k_proj, v_proj, compressor, layer: int, state: dict):
+    def __init__(self, k_proj, v_proj, compressor, layer: int, state: dict, k_norm=None, head_dim: int = 0):
         super().__init__()
         self.k_proj, self.v_proj, self.compressor = k_proj, v_proj, compressor
         self.layer, self.state = layer, state
+        self.k_norm, self.head_dim = k_norm, head_dim
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         k, v = self.k_proj(hidden), self.v_proj(hidden)                 # [B, T, H_kv * D] each
+        if self.k_norm is not None:
+            # Qwen3: the engine's cache sees K after the per-head k-norm (the model applies it before
+            # the cache hook), so that is the K the compressor learns; attention's own k_norm is
+            # replaced by an identity in the sparse layers.
+            k = self.k_norm(k.view(*k.shape[:-1], -1, self.head_dim)).flatten(-2)
         if self.state["bypass"]:                                         # the dense reference loss
             self.state["v"][self.layer] = v
             return k
@@ -68,7 +75,10 @@ def attach(model, compressor: DeltaKVCompressor) -> dict:
     for layer in compressor.config["layers"]:
         attn = model.model.layers[layer].self_attn
         k_proj, v_proj = attn.k_proj, attn.v_proj
-        attn.k_proj = _JointKV(k_proj, v_proj, compressor, layer, state)
+        k_norm = getattr(attn, "k_norm", None)
+        attn.k_proj = _JointKV(k_proj, v_proj, compressor, layer, state, k_norm, compressor.config["head_dim"])
+        if k_norm is not None:
+            attn.k_norm = torch.nn.Identity()
         attn.v_proj = _ReconstructedV(layer, state)
     return state
 

@@ -1,0 +1,583 @@
+"""deltakv: residual latent compression of old tokens with a trained compressor (DeltaKV, arXiv
+2602.08005; the authors' engine is the upstream Sparse-vLLM).
+
+What it computes. Full layers (`deltakv_full_layers`, default the paper's 0, 1, 2, 8, 18 of 32
+scaled to the depth as round(f * L / 32), layer 0 always) keep every token raw. In the other
+(sparse) layers the first `deltakv_sink` tokens and the recent window stay raw; older tokens are
+compressed in blocks of whole windows as they age out: references (the sink and every s-th token
+after it, s = round(1 / cluster_ratio)) stay raw, every other token t keeps only
+z_t = down(x_t) - down(r_t), x_t = [K_t before RoPE ; V_t], r_t the mean of its
+`deltakv_neighbors` nearest earlier references (L2), and the positions of those references; its
+raw slot is freed. Each decode step, the full layer just before a run of sparse layers scores every
+token (raw logits, max over query heads: a fused output of its own attention, as in OmniKV); the
+first sparse layer of the run picks the top `deltakv_decode_keep` compressed tokens; every sparse
+layer of the run rebuilds them (up(z) + r, RoPE at the true position) into scratch slots with the
+sink and the raw tail, and attends to that (a page-size-1 decode view). All of it is tensor work
+inside the CUDA graph.
+
+Storage (the layout is this method's own):
+- the paged pool of the base class, over the full layers only, with per slot the sparse layers'
+  latents and reference positions beside it (a token's latent lives at its full-layer slot);
+- a raw pool for the sparse layers with one-token slots: a token holds a slot until it is
+  compressed, references and the sink forever; the slot allocator is a free stack on the host;
+  room for one prefill step's new tokens and every request's sink and two windows is reserved;
+- per running request, a device row mapping position -> raw slot (-1: compressed), which the
+  decode kernels read inside graphs;
+- one scratch of max_num_seqs x (sink + decode_keep + 2 windows) token slots, shared by the sparse
+  layers (each fills it just before its attention); a prefill chunk's rebuilt prefix (one layer,
+  made per step) is counted as max_model_len more.
+Admission and `bytes_per_page` count exactly these.
+
+When compression runs: in `on_step_end`, after every step (prefill chunks included), for a request
+whose raw tail has reached two windows: the oldest whole windows are compressed, leaving one window
+raw. Bookkeeping is planned on the host from counters the host knows; the device work (gathers,
+nearest references, the GEMMs) is queued after the step's forward and never synchronises. Prefill
+is chunked: a chunk after the first attends (densely, unchanged math otherwise) to its prefix as the
+sparse layers hold it, the compressed tokens rebuilt into a per-step scratch, as the compressor was
+trained (attention over reconstructed KV). So a long prompt never sits raw in the sparse layers
+beyond one chunk and two windows.
+
+Deviations:
+- Prefix caching is off (capabilities): a hit would share full-layer pages but not the sparse
+  layers' raw slots and latents.
+- The sparse layers' raw pool stores K after RoPE (prefill attention reads it); compression and
+  reconstruction rotate references back by their positions (exact up to rounding).
+- Qwen3's k-norm runs in the model before the cache hook, so the engine compresses the normed K
+  (the paper: K before the norm, re-normed after reconstruction); the trainer learns on the same
+  normed K, and no k-norm is applied again after reconstruction.
+- up(z) and down(x) run as cuBLAS GEMMs (torch modules); the Triton kernels do the gathers, the
+  reference means, the rotations and the scratch writes.
+- Prefill compresses chunk by chunk, so a chunk after the first reads the compressed part of its
+  prefix rebuilt from the latents rather than raw (this is what bounds a long prompt's raw memory).
+- The nearest references are found in fp32 by cdist, a chunk of tokens at a time.
+"""
+import logging
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from sparsevllm import deltakv_compressor as dc
+from sparsevllm.config import EngineConfig, MethodConfig
+from sparsevllm.engine.cache_manager.base import CacheManager, Capabilities
+from sparsevllm.engine.kv_pool import KVPool, PageAllocator, PageTables
+from sparsevllm.engine.sequence import Sequence
+from sparsevllm.engine.staging import HostStaging, to_device
+from sparsevllm.engine.step import DecodeView, PrefillView, StepState
+from sparsevllm.forward_context import get_forward_context
+from sparsevllm.kernels.deltakv import compress_block, gather_x, reconstruct
+from sparsevllm.kernels.omnikv import select_tokens
+from sparsevllm.kernels.rope_store import rope_store
+from sparsevllm.models.config import ModelConfig
+
+logger = logging.getLogger(__name__)
+COMPRESS_CHUNK = 8192   # tokens compressed together: [8192, 2 H D] fp32 + [8192, refs] distances
+PREFIX_PIECE = 16384    # prefix tokens rebuilt together for a prefill chunk: bounds the up(z) GEMM's output
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+@dataclass
+class DeltaKVConfig(MethodConfig):
+    deltakv_compressor_path: str | None = None     # a folder from `python -m sparsevllm.tools.train_deltakv`
+    deltakv_full_layers: list[int] | None = None   # None: the compressor's, else 0,1,2,8,18 of 32 scaled
+    deltakv_latent_dim: int | None = None          # None: the compressor's (128 for a dummy one)
+    deltakv_cluster_ratio: float = 0.1             # references: every round(1 / ratio)-th token
+    deltakv_neighbors: int = 4                     # references averaged into r_t
+    deltakv_sink: int = 8                          # first tokens, raw and references
+    deltakv_recent: int = 128                      # raw window; compression moves in blocks of it
+    deltakv_decode_keep: int = 2048                # compressed tokens reconstructed per decode step
+
+    def validate(self, engine: EngineConfig) -> None:
+        def need(ok, knob, valid):
+            if not ok:
+                raise ValueError(f"{knob}={getattr(self, knob)!r} is invalid; valid: {valid}")
+        f = self.deltakv_full_layers
+        if f is not None:
+            need(isinstance(f, (list, tuple)) and len(f) > 0 and all(_is_int(x) and x >= 0 for x in f)
+                 and list(f) == sorted(set(f)) and f[0] == 0, "deltakv_full_layers",
+                 "None (the paper's 0, 1, 2, 8, 18 of 32, scaled) or a strictly increasing list of layer ids "
+                 "starting with 0 (a full layer must score tokens before the first sparse layer)")
+            self.deltakv_full_layers = list(f)
+        ld = self.deltakv_latent_dim
+        need(ld is None or (_is_int(ld) and ld > 0), "deltakv_latent_dim", "None (the compressor's) or an integer > 0")
+        cr = self.deltakv_cluster_ratio
+        need(isinstance(cr, (int, float)) and not isinstance(cr, bool) and 0 < cr < 1, "deltakv_cluster_ratio",
+             "a number in (0, 1)")
+        need(_is_int(self.deltakv_neighbors) and self.deltakv_neighbors >= 1, "deltakv_neighbors", "an integer >= 1")
+        need(_is_int(self.deltakv_sink) and self.deltakv_sink >= 1, "deltakv_sink",
+             "an integer >= 1 (every compressed token needs an earlier reference)")
+        need(_is_int(self.deltakv_recent) and self.deltakv_recent >= 1, "deltakv_recent", "an integer >= 1")
+        need(_is_int(self.deltakv_decode_keep) and self.deltakv_decode_keep >= 1, "deltakv_decode_keep",
+             "an integer >= 1")
+        path = self.deltakv_compressor_path
+        if path is None:
+            if engine.load_format != "dummy":
+                raise ValueError("deltakv_compressor_path is required: DeltaKV needs a trained compressor; train one "
+                                 "with `python -m sparsevllm.tools.train_deltakv --model MODEL --out DIR` (or use "
+                                 "load_format='dummy' for a random one in speed runs)")
+        else:
+            import os
+            if not os.path.isfile(os.path.join(str(path), dc.CONFIG)):
+                raise ValueError(f"deltakv_compressor_path={path!r} holds no {dc.CONFIG}; train a compressor with "
+                                 "`python -m sparsevllm.tools.train_deltakv --model MODEL --out DIR`")
+
+    @property
+    def stride(self) -> int:
+        return max(1, round(1.0 / self.deltakv_cluster_ratio))
+
+    @property
+    def view_capacity(self) -> int:
+        """Decode-view entries per request: sink + selected + the raw tail (at most two windows)."""
+        return self.deltakv_sink + self.deltakv_decode_keep + 2 * self.deltakv_recent + 1
+
+
+def layer_roles(num_layers: int, full_layers: list[int]) -> list[tuple[str, int]]:
+    """Per layer ("full", scores?) or ("sparse", the full layer whose scores it uses)."""
+    roles, last = [], 0
+    for layer in range(num_layers):
+        if layer in full_layers:
+            roles.append(("full", int(layer + 1 < num_layers and layer + 1 not in full_layers)))
+            last = layer
+        else:
+            roles.append(("sparse", last))
+    return roles
+
+
+def _sizes(config: EngineConfig, num_layers: int, num_kv_heads: int, head_dim: int, dtype) -> dict:
+    """Bytes of each store, per token or fixed; the one formula behind sizing and accounting."""
+    knobs = config.method_config
+    full = knobs.deltakv_full_layers or dc.default_full_layers(num_layers)
+    n_full, n_sparse = len(full), num_layers - len(full)
+    elt = torch.empty((), dtype=dtype).element_size()
+    token = 2 * num_kv_heads * head_dim * elt                      # one token's K + V in one layer
+    latent = n_sparse * ((knobs.deltakv_latent_dim or 128) * elt + 4 * knobs.deltakv_neighbors)
+    # Raw slots no request can do without: a prefill step's new tokens (raw until its end), and every
+    # running request's sink and two windows. Scratch: the decode views of a full batch, and the
+    # reconstructed prefix of a prefill chunk (one layer of max_model_len tokens, made per step).
+    fixed_raw = config.max_num_batched_tokens + config.max_num_seqs * (knobs.deltakv_sink + 2 * knobs.deltakv_recent + 1)
+    scratch = (config.max_num_seqs * knobs.view_capacity + config.max_model_len) * token
+    return dict(n_full=n_full, n_sparse=n_sparse, token=token, steady=n_full * token + latent
+                + n_sparse * token / knobs.stride, raw_slot=n_sparse * token, fixed_raw=fixed_raw,
+                fixed=fixed_raw * n_sparse * token + scratch, scratch=scratch, latent=latent)
+
+
+def split_budget(config: EngineConfig, num_pages: int, num_layers: int, num_kv_heads: int, head_dim: int,
+                 dtype) -> tuple[int, int]:
+    """The runner's num_pages x bytes_per_page -> (full-layer pages, raw slots): the fixed raw room
+    and the scratch come off the top, the rest is pages at their steady-state bytes, and raw slots
+    are the pages' references plus the fixed room (never more than every token raw)."""
+    P, s = config.page_size, _sizes(config, num_layers, num_kv_heads, head_dim, dtype)
+    total = num_pages * DeltaKVCacheManager.bytes_per_page(config, num_layers, num_kv_heads, head_dim, dtype)
+    pages = int((total - s["fixed"]) // (P * s["steady"]))
+    if pages < 1:   # a pool too small to amortise the fixed room (a tiny explicit num_kv_pages)
+        pages = num_pages
+    stride = config.method_config.stride
+    return pages, max(1, min(pages * P + config.max_num_seqs, math.ceil(pages * P / stride) + s["fixed_raw"]))
+
+
+class _SlotStack:
+    """One-token raw slots: a free stack on the host (numpy, so a 128K-token prompt is one slice)."""
+
+    def __init__(self, num_slots: int):
+        self.free = np.arange(num_slots - 1, -1, -1, dtype=np.int32)
+        self.top = num_slots
+        self.num_slots = num_slots
+        self.peak_used = 0
+
+    @property
+    def num_free(self) -> int:
+        return self.top
+
+    def take(self, n: int) -> np.ndarray:
+        assert n <= self.top
+        self.top -= n
+        self.peak_used = max(self.peak_used, self.num_slots - self.top)
+        return self.free[self.top:self.top + n][::-1].copy()
+
+    def give(self, slots: np.ndarray) -> None:
+        self.free[self.top:self.top + len(slots)] = slots
+        self.top += len(slots)
+
+
+class _Request:
+    def __init__(self, row: int, max_len: int, sink: int):
+        self.row = row
+        self.slots = np.full(max_len + 1, -1, dtype=np.int32)   # raw slot per position, -1: none
+        self.upto = 0                                           # positions [0, upto) got a raw slot
+        self.comp_end = sink                                    # [sink, comp_end) is compressed
+        self.prompt_end = 0                                     # its prompt's length
+
+
+class DeltaKVCacheManager(CacheManager):
+    method_name = "deltakv"
+    config_cls = DeltaKVConfig
+    capabilities = Capabilities(prefix_cache=False)
+
+    def __init__(self, config: EngineConfig, num_layers: int, num_kv_heads: int, head_dim: int,
+                 num_pages: int, dtype: torch.dtype, device: torch.device):
+        # Not CacheManager.__init__: its pool would hold every layer raw.
+        self.config, self.method_config = config, config.method_config
+        knobs = self.method_config
+        self.page_size = P = config.page_size
+        self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
+        self.device, self.dtype = device, dtype
+        compressor = self._compressor()
+        self.full_layers = knobs.deltakv_full_layers
+        self.roles = layer_roles(num_layers, self.full_layers)
+        self.sparse_layers = [i for i in range(num_layers) if self.roles[i][0] == "sparse"]
+        self.index = {layer: i for group in (self.full_layers, self.sparse_layers) for i, layer in enumerate(group)}
+        self.codecs = [compressor.layers[str(layer)] for layer in self.sparse_layers]
+        self.latent_dim = compressor.config["latent_dim"]
+
+        pages, raw_slots = split_budget(config, num_pages, num_layers, num_kv_heads, head_dim, dtype)
+        logger.info("deltakv: %d full layers raw in %d pages of %d tokens, %d sparse layers with %d raw slots "
+                    "and latents of %d dims", len(self.full_layers), pages, P, len(self.sparse_layers), raw_slots,
+                    self.latent_dim)
+        self.pool = KVPool(len(self.full_layers), pages, P, num_kv_heads, head_dim, dtype, device)
+        self.raw = KVPool(len(self.sparse_layers), raw_slots, 1, num_kv_heads, head_dim, dtype, device)
+        n_sp = len(self.sparse_layers)
+        self.latents = torch.zeros(n_sp, pages * P, self.latent_dim, dtype=dtype, device=device)
+        self.neighbors = torch.full((n_sp, pages * P, knobs.deltakv_neighbors), -1, dtype=torch.int32, device=device)
+        self.allocator = PageAllocator(pages)
+        self.tables = PageTables(self.allocator, P, self.pages_for(config.max_model_len) + 1, False)
+        self.staging = HostStaging(torch.device(device))
+        self.raw_slots = _SlotStack(raw_slots)
+        self.max_len = config.max_model_len
+        self.raw_map = torch.full((config.max_num_seqs + 1, self.max_len + 1), -1, dtype=torch.int32, device=device)
+        self.free_rows = list(range(config.max_num_seqs, -1, -1))
+        self.requests: dict[int, _Request] = {}
+        cap = knobs.view_capacity
+        self.scratch_k = torch.zeros(config.max_num_seqs * cap, num_kv_heads, head_dim, dtype=dtype, device=device)
+        self.scratch_v = torch.zeros_like(self.scratch_k)
+        self.view_slots = torch.arange(config.max_num_seqs * cap, dtype=torch.int32, device=device).view(-1, 1, cap)
+        width = (self.pages_for(config.max_model_len) + 1) * P
+        self.positions = torch.arange(width, dtype=torch.int32, device=device).view(1, width)
+        self.cos_sin = None   # the rotary table, seen at the first store_kv
+
+    def _compressor(self) -> dc.DeltaKVCompressor:
+        knobs = self.method_config
+        model_config = getattr(knobs, "_model_config", None)
+        if knobs.deltakv_compressor_path is not None:
+            comp = dc.load(knobs.deltakv_compressor_path, model_config)
+        else:   # load_format="dummy": a random compressor of the configured shape, for speed runs
+            torch.manual_seed(self.config.seed)
+            cfg = dc.make_config(model_config, latent_dim=knobs.deltakv_latent_dim or 128,
+                                 cluster_ratio=knobs.deltakv_cluster_ratio, neighbors=knobs.deltakv_neighbors,
+                                 sink=knobs.deltakv_sink, full_layers=knobs.deltakv_full_layers)
+            comp = dc.DeltaKVCompressor(cfg)
+        return comp.to(device=self.device, dtype=self.dtype).eval().requires_grad_(False)
+
+    # ---- knobs against the model, sizing, cost model ----------------------------------------
+    @classmethod
+    def validate_model(cls, config: EngineConfig, model_config: ModelConfig) -> None:
+        knobs, n = config.method_config, model_config.num_hidden_layers
+        knobs._model_config = model_config   # the cache manager builds its compressor from it
+        f = knobs.deltakv_full_layers
+        if f is not None and f[-1] >= n:
+            raise ValueError(f"deltakv_full_layers={f} is out of range for a model of {n} layers; valid: layer ids "
+                             f"in [0, {n - 1}] starting with 0")
+        if knobs.deltakv_compressor_path is None:
+            knobs.deltakv_full_layers = f or dc.default_full_layers(n)
+            return
+        import json
+        import os
+        with open(os.path.join(knobs.deltakv_compressor_path, dc.CONFIG)) as fh:
+            cfg = json.load(fh)
+        try:
+            dc.validate_config(cfg)
+        except ValueError as e:
+            raise ValueError(f"deltakv_compressor_path={knobs.deltakv_compressor_path!r}: {e}") from None
+        want = {"architecture": model_config.architecture, "num_hidden_layers": n,
+                "hidden_size": model_config.hidden_size, "num_key_value_heads": model_config.num_key_value_heads,
+                "head_dim": model_config.head_dim}
+        wrong = [f"{k}: compressor {cfg.get(k)!r}, model {v!r}" for k, v in want.items() if cfg.get(k) != v]
+        if wrong:
+            raise ValueError(f"deltakv_compressor_path={knobs.deltakv_compressor_path!r} was trained for another "
+                             "model shape (" + "; ".join(wrong) + ")")
+        full = f or sorted(set(range(n)) - set(cfg["layers"]))
+        missing = sorted(set(range(n)) - set(full) - set(cfg["layers"]))
+        if missing or not full or full[0] != 0:
+            raise ValueError(f"deltakv_full_layers={full}: the compressor has no codec for sparse layers {missing}"
+                             if missing else f"deltakv_full_layers={full} must start with layer 0")
+        if knobs.deltakv_latent_dim is not None and knobs.deltakv_latent_dim != cfg["latent_dim"]:
+            raise ValueError(f"deltakv_latent_dim={knobs.deltakv_latent_dim} contradicts the compressor's latent dim "
+                             f"{cfg['latent_dim']}; leave it None to use the compressor's")
+        knobs.deltakv_full_layers, knobs.deltakv_latent_dim = full, cfg["latent_dim"]
+
+    @classmethod
+    def bytes_per_page(cls, config: EngineConfig, num_layers, num_kv_heads, head_dim, dtype) -> int:
+        """A page's steady-state bytes (full layers raw, the sparse layers' latents, a 1/s share of
+        raw references) plus its share of the fixed raw room and scratch, amortised over the pages
+        the runner may give (max_num_seqs x max_model_len tokens); __init__ takes the fixed part
+        off the top, so a smaller pool never exceeds its budget."""
+        s = _sizes(config, num_layers, num_kv_heads, head_dim, dtype)
+        useful = config.max_num_seqs * config.max_model_len
+        return math.ceil(config.page_size * (s["steady"] + s["fixed"] / useful))
+
+    @classmethod
+    def _layer_counts(cls, config: EngineConfig, num_layers: int | None) -> tuple[int, int]:
+        full = config.method_config.deltakv_full_layers
+        n = num_layers or 32
+        n_full = len(full) if full else len(dc.default_full_layers(n))
+        return n_full, n - n_full
+
+    @classmethod
+    def decode_kv_tokens_read(cls, config: EngineConfig, num_layers: int, prompt_len: int, cache_len: int) -> float:
+        """Full layers read the whole cache; a sparse layer reads the sink, the raw tail, and per
+        reconstructed token its latent and its references (distinct references at most)."""
+        knobs = config.method_config
+        n_full, n_sparse = cls._layer_counts(config, num_layers)
+        sink, w = knobs.deltakv_sink, knobs.deltakv_recent
+        compressed = max(0, (cache_len - sink - w) // w * w) if cache_len - sink >= 2 * w else 0
+        kept = min(knobs.deltakv_decode_keep, compressed)
+        refs = min(kept * knobs.deltakv_neighbors, sink + compressed // knobs.stride)
+        latent_tokens = kept * ((knobs.deltakv_latent_dim or 128) + 2 * knobs.deltakv_neighbors) / 2048
+        sparse = cache_len - compressed + kept + refs + latent_tokens
+        return (n_full * cache_len + n_sparse * sparse) / (n_full + n_sparse)
+
+    @classmethod
+    def kv_tokens_held(cls, config: EngineConfig, prompt_len: int, output_len: int) -> int | None:
+        """Raw-token equivalents at the end of a request on a 32-layer model with the default full
+        layers (the depth is not passed here): full layers everything, sparse layers the raw sink,
+        tail and references, latents at latent_dim / (2 H_kv D) of a token (Llama-3.1-8B: 2048)."""
+        knobs = config.method_config
+        n_full, n_sparse = cls._layer_counts(config, None)
+        total = prompt_len + output_len
+        compressed = max(0, total - knobs.deltakv_sink - 2 * knobs.deltakv_recent)
+        per_sparse = total - compressed + compressed / knobs.stride + compressed * (knobs.deltakv_latent_dim or 128) / 2048
+        return math.ceil((n_full * total + n_sparse * per_sparse) / (n_full + n_sparse))
+
+    # ---- capacity and lifecycle --------------------------------------------------------------
+    def can_admit(self, seq: Sequence) -> bool:
+        # Raw room for its references, its sink and two windows and one chunk, after the references
+        # the prompts still prefilling will keep (else their next chunk would preempt them).
+        knobs = self.method_config
+        stride, w = knobs.stride, knobs.deltakv_recent
+        pending = sum(max(0, r.prompt_end - r.upto) // stride for r in self.requests.values())
+        need = min(len(seq) + 1, knobs.deltakv_sink + 2 * w + self.config.chunk_prefill_size) + len(seq) // stride
+        return (bool(self.free_rows) and self.raw_slots.num_free - pending >= need
+                and self.pages_for(len(seq) + 1) <= self.allocator.num_free)
+
+    def allocate(self, seq: Sequence) -> None:
+        self.tables.open(seq, [])
+        req = self.requests[seq.seq_id] = _Request(self.free_rows.pop(), self.max_len, self.method_config.deltakv_sink)
+        req.prompt_end = len(seq)
+        seq.num_computed_tokens = seq.cache_len = 0
+
+    def reserve(self, seq: Sequence, num_new_tokens: int) -> bool:
+        req = self.requests[seq.seq_id]
+        end = seq.cache_len + num_new_tokens
+        need = max(0, end - req.upto)
+        if need > self.raw_slots.num_free or not self.tables.grow(seq, end):
+            return False
+        req.slots[req.upto:end] = self.raw_slots.take(need)
+        req.upto = max(req.upto, end)
+        return True
+
+    def free(self, seq: Sequence) -> None:
+        self.tables.close(seq)
+        req = self.requests.pop(seq.seq_id, None)
+        if req is not None:
+            held = req.slots[:req.upto]
+            self.raw_slots.give(held[held >= 0])
+            self.free_rows.append(req.row)
+
+    def memory_accounting(self) -> dict:
+        P, n_sp = self.page_size, len(self.sparse_layers)
+        page_bytes = (self.pool.nbytes + self.latents.nbytes + self.neighbors.nbytes) // self.num_pages
+        slot_bytes = self.raw.nbytes // self.raw_slots.num_slots
+        used_pages = self.num_pages - self.allocator.num_free
+        used_slots = self.raw_slots.num_slots - self.raw_slots.num_free
+        fixed = self.scratch_k.nbytes * 2 + self.raw_map.nbytes
+        return {"kv_pool_bytes": self.pool.nbytes + self.latents.nbytes + self.neighbors.nbytes + self.raw.nbytes
+                + fixed,
+                "kv_used_bytes": used_pages * page_bytes + used_slots * slot_bytes + fixed,
+                "kv_peak_used_bytes": self.allocator.peak_used * page_bytes + self.raw_slots.peak_used * slot_bytes
+                + fixed,
+                "kv_page_bytes": page_bytes, "num_pages": self.num_pages, "used_pages": used_pages,
+                "raw_slot_bytes": slot_bytes, "raw_slots": self.raw_slots.num_slots, "used_raw_slots": used_slots,
+                "full_layers_bytes": self.pool.nbytes, "sparse_raw_bytes": self.raw.nbytes,
+                "latent_bytes": self.latents.nbytes + self.neighbors.nbytes, "scratch_bytes": 2 * self.scratch_k.nbytes,
+                "metadata_bytes": self.latents.nbytes + self.neighbors.nbytes + self.raw_map.nbytes,
+                "sparse_layers": n_sp, "page_size": P}
+
+    # ---- per step ----------------------------------------------------------------------------
+    def prepare_step(self, seqs: list[Sequence], num_tokens: list[int], is_prefill: bool,
+                     feed_rows: list[int] | None = None) -> StepState:
+        step = super().prepare_step(seqs, num_tokens, is_prefill, feed_rows)
+        reqs = [self.requests[s.seq_id] for s in seqs]
+        raw = np.concatenate([r.slots[s.cache_len:s.cache_len + n] for r, s, n in zip(reqs, seqs, num_tokens)])
+        rows = np.repeat([r.row for r in reqs], num_tokens)
+        host = np.concatenate([raw, rows, [r.row for r in reqs], [r.comp_end for r in reqs]]).astype(np.int64)
+        dev = to_device(host, self.device)
+        T, B = len(raw), len(reqs)
+        raw_slots, token_rows = dev[:T], dev[T:2 * T]
+        # New tokens' raw slots enter the device map before the forward (stream order).
+        self.raw_map[token_rows, step.positions] = raw_slots.to(torch.int32)
+        step.extras["deltakv_raw_slots"] = raw_slots
+        step.extras["deltakv_rows"] = dev[2 * T:2 * T + B]
+        self._prefix = None
+        if is_prefill:
+            width = max(s.cache_len + n for s, n in zip(seqs, num_tokens))
+            step.extras["deltakv_raw_tables"] = self.raw_map[step.extras["deltakv_rows"], :width].contiguous()
+            if any(r.comp_end > self.method_config.deltakv_sink for r in reqs):
+                # Some chunk attends to a compressed prefix: each sparse layer rebuilds the whole
+                # prefix (+ the chunk) into one scratch, request after request.
+                lens = [s.cache_len + n for s, n in zip(seqs, num_tokens)]
+                offsets = np.cumsum([0] + lens[:-1])
+                self._prefix = (lens, offsets.tolist(),
+                                self.positions[:, :width] + to_device(offsets, self.device, torch.int32).view(-1, 1))
+        else:
+            step.extras["deltakv_comp_end"] = dev[2 * T + B:].to(torch.int32)
+        return step
+
+    def graph_extras(self, max_batch_size: int) -> dict[str, torch.Tensor]:
+        # Padding rows: no raw write (their slot mapping is -1 anyway), row 0, nothing compressed.
+        n, dev = max_batch_size, self.device
+        return {"deltakv_raw_slots": torch.full((n,), -1, dtype=torch.int64, device=dev),
+                "deltakv_rows": torch.zeros(n, dtype=torch.int64, device=dev),
+                "deltakv_comp_end": torch.full((n,), self.method_config.deltakv_sink, dtype=torch.int32, device=dev)}
+
+    # ---- per layer ---------------------------------------------------------------------------
+    def store_kv(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 cos_sin_cache: torch.Tensor, step: StepState) -> tuple[torch.Tensor, torch.Tensor]:
+        self.cos_sin = cos_sin_cache
+        i = self.index[layer_id]
+        if self.roles[layer_id][0] == "full":
+            k_cache, v_cache = self.pool.layer(i)
+            return rope_store(q, k, v, step.positions, cos_sin_cache, k_cache, v_cache, step.slot_mapping)
+        slots = torch.where(step.slot_mapping >= 0, step.extras["deltakv_raw_slots"], -1)
+        k_cache, v_cache = self.raw.layer(i)
+        return rope_store(q, k, v, step.positions, cos_sin_cache, k_cache, v_cache, slots)
+
+    def prefill_view(self, layer_id: int, step: StepState) -> PrefillView:
+        i = self.index[layer_id]
+        if self.roles[layer_id][0] == "full":
+            k_cache, v_cache = self.pool.layer(i)
+            return PrefillView(k_cache, v_cache, step.block_tables, step.cache_lens, self.page_size)
+        k_cache, v_cache = self.raw.layer(i)
+        if self._prefix is None:   # nothing compressed yet: the raw slots are the prefix
+            return PrefillView(k_cache, v_cache, step.extras["deltakv_raw_tables"], step.cache_lens, 1)
+        lens, offsets, table = self._prefix
+        out_k = torch.empty(sum(lens), self.num_kv_heads, self.head_dim, dtype=self.dtype, device=self.device)
+        out_v = torch.empty_like(out_k)
+        P, codec = self.page_size, self.codecs[i]
+        rows = step.extras["deltakv_rows"]
+        for b, (length, off) in enumerate(zip(lens, offsets)):
+            for a in range(0, length, PREFIX_PIECE):
+                m = min(PREFIX_PIECE, length - a)
+                pos = self.positions[0, a:a + m].long()
+                latent_slots = step.block_tables[b].long()[pos // P] * P + pos % P
+                up_z = codec.up(self.latents[i][latent_slots]).view(1, m, -1)
+                nbr = self.neighbors[i][latent_slots].view(1, m, -1)
+                reconstruct(pos.view(1, m).to(torch.int32), torch.full((1,), m, dtype=torch.int32, device=self.device),
+                            rows[b:b + 1], self.raw_map, k_cache, v_cache, up_z.contiguous(), nbr, 0, self.cos_sin,
+                            out_k[off + a:off + a + m], out_v[off + a:off + a + m])
+        return PrefillView(out_k, out_v, table, step.cache_lens, 1)
+
+    def build_decode_view(self, layer_id: int, q: torch.Tensor, step: StepState) -> DecodeView:
+        role, arg = self.roles[layer_id]
+        controller = get_forward_context().controller
+        if role == "full":
+            k_cache, v_cache = self.pool.layer(self.index[layer_id])
+            view = DecodeView(k_cache, v_cache, step.block_tables.unsqueeze(1), step.cache_lens.unsqueeze(1),
+                              self.page_size)
+            if arg:   # the next layer is sparse: this layer's attention scores every token for it
+                view.token_scores = torch.empty(q.shape[0], self.num_kv_heads,
+                                                step.block_tables.shape[1] * self.page_size,
+                                                dtype=torch.float32, device=q.device)
+                controller.put(f"deltakv.{layer_id}", view.token_scores)   # [B, H_kv, T]: max over groups below
+            return view
+        chosen = controller.get(f"deltakv.{arg}")
+        if isinstance(chosen, torch.Tensor):   # first sparse layer of the run: select once for the run
+            chosen = self._select(chosen.amax(dim=1), step)
+            controller.put(f"deltakv.{arg}", chosen)
+        view_pos, lengths, latent_slots = chosen
+        i = self.index[layer_id]
+        B = view_pos.shape[0]
+        up_z = self.codecs[i].up(self.latents[i][latent_slots])                     # [B, keep, 2 H D]
+        nbr = self.neighbors[i][latent_slots]
+        k_cache, v_cache = self.raw.layer(i)
+        reconstruct(view_pos, lengths, step.extras["deltakv_rows"], self.raw_map, k_cache, v_cache, up_z.contiguous(),
+                    nbr, self.method_config.deltakv_sink, self.cos_sin, self.scratch_k, self.scratch_v)
+        return DecodeView(self.scratch_k, self.scratch_v, self.view_slots[:B], lengths.view(B, 1), 1)
+
+    def _select(self, scores: torch.Tensor, step: StepState):
+        """Top decode_keep compressed tokens by the full layer's scores -> the run's view positions
+        [B, cap] (sink, selected in logical order, raw tail), their lengths and the selected
+        tokens' latent slots [B, keep]."""
+        knobs = self.method_config
+        sink, keep, cap = knobs.deltakv_sink, knobs.deltakv_decode_keep, knobs.view_capacity
+        B, T = scores.shape
+        if T <= sink:   # (eager, contexts within the sink) nothing can be compressed yet
+            scores = torch.nn.functional.pad(scores, (0, sink + 1 - T), value=float("-inf"))
+            T = sink + 1
+        lens = step.cache_lens.long()
+        comp_end = step.extras["deltakv_comp_end"].long().clamp(min=sink)
+        comp_end = torch.minimum(comp_end, torch.maximum(lens, torch.full_like(lens, sink)))   # padding rows
+        n_comp = (comp_end - sink).to(torch.int32)
+        table, n_sel = select_tokens(scores[:, sink:], torch.full_like(n_comp, keep), self.positions[:, :T - sink]
+                                     .expand(B, T - sink), n_comp, n_comp, 1)
+        n_sel = n_sel.view(B).long()
+        sel = table[:, 0, :keep].long()
+        if sel.shape[1] < keep:
+            sel = torch.nn.functional.pad(sel, (0, keep - sel.shape[1]))
+        # The Triton select leaves entries past a row's count unwritten: never gather through them.
+        sel = torch.where(torch.arange(keep, device=sel.device).view(1, keep) < n_sel.view(B, 1), sel, 0) + sink
+        j = torch.arange(cap, device=scores.device).view(1, cap)
+        picked = sel.gather(1, (j - sink).clamp(0, keep - 1).expand(B, cap))
+        tail = comp_end.view(B, 1) + j - sink - n_sel.view(B, 1)
+        view_pos = torch.where(j < sink, j, torch.where(j < sink + n_sel.view(B, 1), picked, tail))
+        lengths = (lens - (comp_end - sink) + n_sel).clamp(1, cap).to(torch.int32)
+        P = self.page_size
+        sel = sel.clamp(max=step.block_tables.shape[1] * P - 1)
+        latent_slots = step.block_tables.long().gather(1, sel // P) * P + sel % P
+        return view_pos.to(torch.int32).contiguous(), lengths, latent_slots
+
+    # ---- compression -------------------------------------------------------------------------
+    def on_step_end(self, step: StepState) -> None:
+        w = self.method_config.deltakv_recent
+        for seq, n in zip(step.seqs, step.num_tokens):
+            req = self.requests[seq.seq_id]
+            length = seq.cache_len + n
+            if length - req.comp_end >= 2 * w:
+                self._compress(seq, req, req.comp_end, req.comp_end + (length - w - req.comp_end) // w * w)
+
+    @torch.inference_mode()
+    def _compress(self, seq: Sequence, req: _Request, start: int, end: int) -> None:
+        """Compress positions [start, end) of seq in every sparse layer and free their raw slots
+        (references keep theirs). Host planning from host counters; device work queued after the
+        forward, no synchronisation."""
+        knobs = self.method_config
+        sink, stride = knobs.deltakv_sink, knobs.stride
+        pos = np.arange(start, end)
+        tok_pos = pos[(pos - sink) % stride != 0]
+        ref_pos = np.concatenate([np.arange(sink), np.arange(sink, end, stride)])
+        P = self.page_size
+        table = self.tables.arrays[seq.seq_id]
+        latent_slots = table[tok_pos // P].astype(np.int64) * P + tok_pos % P
+        host = np.concatenate([req.slots[tok_pos], tok_pos, req.slots[ref_pos], ref_pos, latent_slots]).astype(np.int64)
+        dev = to_device(host, self.device)
+        n, r = len(tok_pos), len(ref_pos)
+        t_slots, t_pos, r_slots, r_pos, l_slots = (dev[:n], dev[n:2 * n], dev[2 * n:2 * n + r],
+                                                   dev[2 * n + r:2 * n + 2 * r], dev[2 * n + 2 * r:])
+        # Chunks of tokens bound the transient [chunk, F] and [chunk, R] tensors (a 128K prompt is
+        # compressed at once), and each chunk is compared only with the references before it.
+        bounds = [(a, min(a + COMPRESS_CHUNK, n), int(np.searchsorted(ref_pos, tok_pos[min(a + COMPRESS_CHUNK, n) - 1])))
+                  for a in range(0, n, COMPRESS_CHUNK)]
+        for i, codec in enumerate(self.codecs):
+            k_cache, v_cache = self.raw.layer(i)
+            refs = gather_x(k_cache, v_cache, r_slots, r_pos, self.cos_sin)
+            for a, b, nref in bounds:
+                x = gather_x(k_cache, v_cache, t_slots[a:b], t_pos[a:b], self.cos_sin)
+                z, nbr = compress_block(x, refs[:nref], r_pos[:nref], t_pos[a:b], knobs.deltakv_neighbors, codec)
+                self.latents[i][l_slots[a:b]] = z.to(self.latents.dtype)
+                self.neighbors[i][l_slots[a:b]] = nbr
+        self.raw_map[req.row, t_pos] = -1
+        self.raw_slots.give(req.slots[tok_pos])
+        req.slots[tok_pos] = -1
+        req.comp_end = end

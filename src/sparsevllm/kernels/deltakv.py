@@ -1,0 +1,247 @@
+"""DeltaKV's kernels: reading tokens back to the compressor's space, compressing a block, and
+reconstructing the selected tokens into the scratch slots a sparse layer's decode attention reads.
+
+The sparse layers' raw pool holds K after RoPE (prefill attention reads it as it is), while the
+compressor works on x = [K before RoPE ; V]. So:
+- gather_x(k_cache, v_cache, slots, positions, cos_sin_cache) -> x [n, 2 * H * D] fp32: rotates K
+  back by its position (RoPE is a rotation: the inverse is exact up to rounding) and appends V.
+- compress_block(x, refs, ref_pos, pos, neighbors, codec) -> (z, nbr): every token's `neighbors`
+  nearest references at earlier positions by L2 (the causal rule of deltakv_compressor), their mean
+  r, and z = down(x) - down(r). Torch (cdist + topk + the codec's GEMMs): it runs outside CUDA
+  graphs, once per block of aged-out tokens, and cuBLAS does the heavy part.
+- reconstruct(...): for every entry of a sparse layer's decode view, copies a raw token (sink,
+  references, recent tokens) or rebuilds a compressed one as up(z) + mean of its references (each
+  rotated back from the raw pool), then RoPE at its true position, into the scratch slots. up(z)
+  itself is one GEMM before the kernel (cuBLAS, inside the graph); the kernel does the gathers, the
+  mean, the rotation and the writes, one program per view entry.
+"""
+import torch
+
+from sparsevllm.kernels.common import jit, pow2, tl, use_triton
+
+
+def _cos_sin(cos_sin_cache: torch.Tensor, positions: torch.Tensor):
+    return cos_sin_cache[positions.long()].float().unsqueeze(-2).chunk(2, dim=-1)
+
+
+def _rotate(k: torch.Tensor, cos, sin, sign: float) -> torch.Tensor:
+    """RoPE (sign 1) or its inverse (sign -1), neox / rotate_half layout, fp32."""
+    k1, k2 = k.float().chunk(2, dim=-1)
+    return torch.cat((k1 * cos - sign * k2 * sin, k2 * cos + sign * k1 * sin), dim=-1)
+
+
+# ---------------------------------------------------------------- gather_x
+
+def gather_x_ref(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
+                 cos_sin_cache: torch.Tensor) -> torch.Tensor:
+    """k_cache, v_cache: [num_slots, H, D] (K after RoPE); slots, positions: [n] int ->
+    x: [n, 2 * H * D] fp32 = [K before RoPE ; V], heads flattened."""
+    cos, sin = _cos_sin(cos_sin_cache, positions)
+    k = _rotate(k_cache[slots.long()], cos, sin, -1.0)
+    v = v_cache[slots.long()].float()
+    return torch.cat([k.flatten(1), v.flatten(1)], dim=-1)
+
+
+@jit
+def _gather_x_kernel(kc_ptr, vc_ptr, slot_ptr, pos_ptr, cache_ptr, out_ptr,
+                     stride_ks, stride_kh, stride_vs, stride_vh, stride_c, stride_o,
+                     H: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
+                     BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    i = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_ptr + i).to(tl.int64)     # int64 before the stride product: big pools
+    pos = tl.load(pos_ptr + i).to(tl.int64)
+    heads = tl.arange(0, BLOCK_H)[:, None]
+    cols = tl.arange(0, BLOCK_HALF)[None, :]
+    mask = (heads < H) & (cols < HALF)
+    cos = tl.load(cache_ptr + pos * stride_c + cols, mask=cols < HALF, other=0.0).to(tl.float32)
+    sin = tl.load(cache_ptr + pos * stride_c + HALF + cols, mask=cols < HALF, other=0.0).to(tl.float32)
+    src = kc_ptr + slot * stride_ks + heads * stride_kh + cols
+    k1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+    k2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
+    dst = out_ptr + i * stride_o + heads * D + cols
+    tl.store(dst, k1 * cos + k2 * sin, mask=mask)
+    tl.store(dst + HALF, k2 * cos - k1 * sin, mask=mask)
+    vsrc = vc_ptr + slot * stride_vs + heads * stride_vh + cols
+    vdst = dst + H * D
+    tl.store(vdst, tl.load(vsrc, mask=mask, other=0.0).to(tl.float32), mask=mask)
+    tl.store(vdst + HALF, tl.load(vsrc + HALF, mask=mask, other=0.0).to(tl.float32), mask=mask)
+
+
+def gather_x_triton(k_cache, v_cache, slots, positions, cos_sin_cache):
+    """Same contract as gather_x_ref; one program per token."""
+    n, (_, H, D) = slots.shape[0], k_cache.shape
+    assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1 and cos_sin_cache.stride(-1) == 1
+    assert positions.shape == (n,) and D % 2 == 0
+    out = torch.empty(n, 2 * H * D, dtype=torch.float32, device=k_cache.device)
+    if n:
+        _gather_x_kernel[(n,)](k_cache, v_cache, slots, positions, cos_sin_cache, out,
+                               k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+                               cos_sin_cache.stride(0), out.stride(0), H=H, D=D, HALF=D // 2,
+                               BLOCK_H=pow2(H), BLOCK_HALF=pow2(D // 2), num_warps=4)
+    return out
+
+
+def gather_x(k_cache, v_cache, slots, positions, cos_sin_cache):
+    if use_triton(k_cache):
+        return gather_x_triton(k_cache, v_cache, slots, positions, cos_sin_cache)
+    return gather_x_ref(k_cache, v_cache, slots, positions, cos_sin_cache)
+
+
+# ---------------------------------------------------------------- compress
+
+def compress_block(x: torch.Tensor, refs: torch.Tensor, ref_pos: torch.Tensor, pos: torch.Tensor,
+                   neighbors: int, codec, chunk: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
+    """x: [n, F] fp32 tokens at positions pos [n]; refs: [R, F] fp32 at ref_pos [R] (increasing) ->
+    (z [n, latent] fp32, nbr [n, neighbors] int32: the references' positions, -1 where fewer than
+    `neighbors` lie before the token). Only references strictly before a token count (causal).
+    Chunks of `chunk` tokens bound the [n, R] distance matrix (128K x 12.8K would not fit)."""
+    zs, nbrs = [], []
+    k = min(neighbors, refs.shape[0])
+    for s in range(0, x.shape[0], chunk):
+        xc, pc = x[s:s + chunk], pos[s:s + chunk].long()
+        dist = torch.cdist(xc, refs).masked_fill(ref_pos.long().view(1, -1) >= pc.view(-1, 1), float("inf"))
+        d, idx = dist.topk(k, dim=-1, largest=False)
+        ok = torch.isfinite(d)
+        r = (refs[idx] * ok.unsqueeze(-1)).sum(1) / ok.sum(1, keepdim=True).clamp(min=1)
+        with torch.no_grad():
+            zs.append(codec.encode(xc.to(_param_dtype(codec)), r.to(_param_dtype(codec))).float())
+        nbr = torch.where(ok, ref_pos.long()[idx], -1).to(torch.int32)
+        if k < neighbors:
+            nbr = torch.cat([nbr, nbr.new_full((nbr.shape[0], neighbors - k), -1)], dim=1)
+        nbrs.append(nbr)
+    return torch.cat(zs), torch.cat(nbrs)
+
+
+def _param_dtype(module) -> torch.dtype:
+    return next(module.parameters()).dtype
+
+
+# ---------------------------------------------------------------- reconstruct
+
+def reconstruct_ref(view_pos: torch.Tensor, lengths: torch.Tensor, rows: torch.Tensor, raw_map: torch.Tensor,
+                    k_cache: torch.Tensor, v_cache: torch.Tensor, up_z: torch.Tensor, nbr: torch.Tensor,
+                    head: int, cos_sin_cache: torch.Tensor, out_k: torch.Tensor, out_v: torch.Tensor) -> None:
+    """Fill the scratch slots of a sparse layer's decode view.
+
+    view_pos: [B, C] positions (entry j of request b is scratch slot b * C + j); lengths: [B];
+    rows: [B] the requests' rows of raw_map ([rows, max_len] int32: raw slot of a position, -1 when
+    compressed); k_cache, v_cache: the layer's raw pool [num_slots, H, D], K after RoPE; up_z:
+    [B, S, 2 * H * D] = up(z) of the selected tokens, entry j >= head using up_z[b, j - head];
+    nbr: [B, S, k] their references' positions (-1: none); out_k, out_v: [B * C, H, D]. Raw
+    positions are copied; compressed ones become up(z) + mean of their references (rotated back to
+    before RoPE), K rotated to the true position. Entries past lengths[b] are left alone."""
+    B, C = view_pos.shape
+    H, D = k_cache.shape[1:]
+    S = up_z.shape[1]
+    j = torch.arange(C, device=view_pos.device)
+    live = j.view(1, C) < lengths.long().view(B, 1)
+    pos = view_pos.long().clamp(0, min(raw_map.shape[1], cos_sin_cache.shape[0]) - 1)   # padding entries
+    slot = raw_map[rows.long().view(B, 1), pos].long()                                # [B, C]
+    dest = torch.arange(B, device=view_pos.device).view(B, 1) * C + j.view(1, C)
+    raw = live & (slot >= 0)
+    out_k[dest[raw]] = k_cache[slot[raw]].to(out_k.dtype)
+    out_v[dest[raw]] = v_cache[slot[raw]].to(out_v.dtype)
+    # compressed entries: x = up(z) + r, r the mean of the references (RoPE undone), K re-rotated
+    bi, ji = torch.nonzero(live & (slot < 0), as_tuple=True)
+    si = (ji - head).clamp(0, S - 1)
+    refs = nbr[bi, si].long()                                                         # [n, k]
+    ok = (refs >= 0).float().unsqueeze(-1)
+    ref_slot = raw_map[rows.long()[bi].view(-1, 1), refs.clamp(min=0)].long().clamp(min=0)
+    cos, sin = _cos_sin(cos_sin_cache, refs.clamp(min=0))
+    ref_x = torch.cat([_rotate(k_cache[ref_slot], cos, sin, -1.0).flatten(-2),
+                       v_cache[ref_slot].float().flatten(-2)], dim=-1)                 # [n, k, F]
+    x = up_z[bi, si].float() + (ref_x * ok).sum(1) / ok.sum(1).clamp(min=1)
+    cos, sin = _cos_sin(cos_sin_cache, pos[bi, ji])
+    out_k[dest[bi, ji]] = _rotate(x[:, :H * D].view(-1, H, D), cos, sin, 1.0).to(out_k.dtype)
+    out_v[dest[bi, ji]] = x[:, H * D:].view(-1, H, D).to(out_v.dtype)
+
+
+@jit
+def _reconstruct_kernel(pos_ptr, len_ptr, row_ptr, map_ptr, kc_ptr, vc_ptr, upz_ptr, nbr_ptr, cache_ptr,
+                        ok_ptr, ov_ptr, head,
+                        stride_pb, stride_mr, stride_ks, stride_kh, stride_vs, stride_vh,
+                        stride_ub, stride_us, stride_nb, stride_ns, stride_c, stride_os, stride_oh,
+                        C, S, MAXPOS,
+                        H: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr, NBR: tl.constexpr,
+                        BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)
+    j = tl.program_id(1).to(tl.int64)
+    if j >= tl.load(len_ptr + b):
+        return
+    pos = tl.minimum(tl.maximum(tl.load(pos_ptr + b * stride_pb + j).to(tl.int64), 0), MAXPOS - 1)
+    row = tl.load(row_ptr + b).to(tl.int64)
+    slot = tl.load(map_ptr + row * stride_mr + pos).to(tl.int64)
+    heads = tl.arange(0, BLOCK_H)[:, None]
+    cols = tl.arange(0, BLOCK_HALF)[None, :]
+    mask = (heads < H) & (cols < HALF)
+    dst_k = ok_ptr + (b * C + j) * stride_os + heads * stride_oh + cols
+    dst_v = ov_ptr + (b * C + j) * stride_os + heads * stride_oh + cols
+    if slot >= 0:   # raw: sink, a reference, or a recent token
+        src = kc_ptr + slot * stride_ks + heads * stride_kh + cols
+        tl.store(dst_k, tl.load(src, mask=mask, other=0.0), mask=mask)
+        tl.store(dst_k + HALF, tl.load(src + HALF, mask=mask, other=0.0), mask=mask)
+        src = vc_ptr + slot * stride_vs + heads * stride_vh + cols
+        tl.store(dst_v, tl.load(src, mask=mask, other=0.0), mask=mask)
+        tl.store(dst_v + HALF, tl.load(src + HALF, mask=mask, other=0.0), mask=mask)
+    else:
+        s = tl.minimum(tl.maximum(j - head, 0), S - 1)
+        k1 = tl.zeros([BLOCK_H, BLOCK_HALF], tl.float32)
+        k2 = tl.zeros([BLOCK_H, BLOCK_HALF], tl.float32)
+        v1 = tl.zeros([BLOCK_H, BLOCK_HALF], tl.float32)
+        v2 = tl.zeros([BLOCK_H, BLOCK_HALF], tl.float32)
+        count = 0.0
+        for i in range(NBR):
+            rp = tl.load(nbr_ptr + b * stride_nb + s * stride_ns + i).to(tl.int64)
+            if rp >= 0:
+                rs = tl.load(map_ptr + row * stride_mr + rp).to(tl.int64)
+                rs = tl.maximum(rs, 0)
+                rc = tl.load(cache_ptr + rp * stride_c + cols, mask=cols < HALF, other=0.0).to(tl.float32)
+                rn = tl.load(cache_ptr + rp * stride_c + HALF + cols, mask=cols < HALF, other=0.0).to(tl.float32)
+                src = kc_ptr + rs * stride_ks + heads * stride_kh + cols
+                a1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+                a2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
+                k1 += a1 * rc + a2 * rn            # RoPE undone at the reference's own position
+                k2 += a2 * rc - a1 * rn
+                src = vc_ptr + rs * stride_vs + heads * stride_vh + cols
+                v1 += tl.load(src, mask=mask, other=0.0).to(tl.float32)
+                v2 += tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
+                count += 1.0
+        inv = 1.0 / tl.maximum(count, 1.0)
+        up = upz_ptr + b * stride_ub + s * stride_us + heads * D + cols
+        k1 = k1 * inv + tl.load(up, mask=mask, other=0.0).to(tl.float32)
+        k2 = k2 * inv + tl.load(up + HALF, mask=mask, other=0.0).to(tl.float32)
+        v1 = v1 * inv + tl.load(up + H * D, mask=mask, other=0.0).to(tl.float32)
+        v2 = v2 * inv + tl.load(up + H * D + HALF, mask=mask, other=0.0).to(tl.float32)
+        cos = tl.load(cache_ptr + pos * stride_c + cols, mask=cols < HALF, other=0.0).to(tl.float32)
+        sin = tl.load(cache_ptr + pos * stride_c + HALF + cols, mask=cols < HALF, other=0.0).to(tl.float32)
+        tl.store(dst_k, (k1 * cos - k2 * sin).to(ok_ptr.dtype.element_ty), mask=mask)
+        tl.store(dst_k + HALF, (k2 * cos + k1 * sin).to(ok_ptr.dtype.element_ty), mask=mask)
+        tl.store(dst_v, v1.to(ov_ptr.dtype.element_ty), mask=mask)
+        tl.store(dst_v + HALF, v2.to(ov_ptr.dtype.element_ty), mask=mask)
+
+
+def reconstruct_triton(view_pos, lengths, rows, raw_map, k_cache, v_cache, up_z, nbr, head, cos_sin_cache,
+                       out_k, out_v) -> None:
+    """Same contract as reconstruct_ref; one program per (request, view entry), those past the
+    request's length exit at once."""
+    B, C = view_pos.shape
+    H, D = k_cache.shape[1:]
+    S, NBR = up_z.shape[1], nbr.shape[-1]
+    for t in (view_pos, raw_map, k_cache, v_cache, up_z, nbr, cos_sin_cache, out_k, out_v):
+        assert t.stride(-1) == 1
+    assert out_k.stride() == out_v.stride() and up_z.shape[-1] == 2 * H * D and nbr.shape[:2] == (B, S)
+    if B and C:
+        _reconstruct_kernel[(B, C)](
+            view_pos, lengths, rows, raw_map, k_cache, v_cache, up_z, nbr, cos_sin_cache, out_k, out_v, head,
+            view_pos.stride(0), raw_map.stride(0), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0),
+            v_cache.stride(1), up_z.stride(0), up_z.stride(1), nbr.stride(0), nbr.stride(1),
+            cos_sin_cache.stride(0), out_k.stride(0), out_k.stride(1), C, S, min(raw_map.shape[1], cos_sin_cache.shape[0]),
+            H=H, D=D, HALF=D // 2, NBR=NBR, BLOCK_H=pow2(H), BLOCK_HALF=pow2(D // 2), num_warps=4)
+
+
+def reconstruct(view_pos, lengths, rows, raw_map, k_cache, v_cache, up_z, nbr, head, cos_sin_cache, out_k, out_v):
+    if use_triton(k_cache):
+        return reconstruct_triton(view_pos, lengths, rows, raw_map, k_cache, v_cache, up_z, nbr, head,
+                                  cos_sin_cache, out_k, out_v)
+    return reconstruct_ref(view_pos, lengths, rows, raw_map, k_cache, v_cache, up_z, nbr, head, cos_sin_cache,
+                           out_k, out_v)

@@ -1,0 +1,550 @@
+"""DeltaKV's runtime: knobs rejected before weights load, the compress -> reconstruct round trip,
+causal references that are never freed, equality with vanilla when nothing is compressed or when
+decode_keep covers every compressed token (identity compressor), the selection against a naive
+float64 oracle, raw slots really freed and returned, the sizing against vanilla, and the kernels
+against their references (interpreter on CPU, bf16 and graph == eager on the GPU). The trainer is
+tested in test_deltakv_compressor.py."""
+import os
+
+import numpy as np
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+from sparsevllm import LLM, SamplingParams  # noqa: E402
+from sparsevllm import deltakv_compressor as dc  # noqa: E402
+from sparsevllm.engine.cache_manager.deltakv import DeltaKVCacheManager, layer_roles  # noqa: E402
+from sparsevllm.engine.cache_manager.vanilla import VanillaCacheManager  # noqa: E402
+from sparsevllm.kernels import deltakv as kd  # noqa: E402
+from sparsevllm.method_registry import make_config  # noqa: E402
+from sparsevllm.models.config import ModelConfig, read_config_json  # noqa: E402
+
+CUDA = torch.cuda.is_available()
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+SMALL = dict(deltakv_full_layers=[0, 2], deltakv_sink=4, deltakv_recent=16, deltakv_cluster_ratio=0.25,
+             deltakv_neighbors=2)
+interp = pytest.mark.skipif(CUDA, reason="interpreter tests run on CPU-only machines")
+
+
+def gpu(fn):
+    return pytest.mark.gpu(pytest.mark.skipif(not CUDA, reason="needs CUDA")(fn))
+
+
+def prompts(lengths, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, 250, n).tolist() for n in lengths]
+
+
+def model(tiny_model, arch="llama"):
+    return tiny_model(arch, num_hidden_layers=4)
+
+
+def compressor(path, out, kind="identity", full=(0, 2), latent=None, seed=0):
+    """A compressor saved for the model at path: "identity" (down = up = I, so x_hat = x exactly)
+    or "random" (a latent of `latent` dims: lossy)."""
+    mc = ModelConfig.from_dict(read_config_json(path))
+    F = 2 * mc.num_key_value_heads * mc.head_dim
+    cfg = dc.make_config(mc, latent_dim=F if kind == "identity" else latent, full_layers=list(full),
+                         cluster_ratio=0.25, neighbors=2, sink=4)
+    torch.manual_seed(seed)
+    comp = dc.DeltaKVCompressor(cfg)
+    if kind == "identity":
+        with torch.no_grad():
+            for codec in comp.layers.values():
+                for lin in (codec.down, codec.up):
+                    lin.weight.copy_(torch.eye(F))
+                    lin.bias.zero_()
+    comp.save(str(out))
+    return str(out)
+
+
+def run(llm, ps, sp=GREEDY):
+    outs = llm.generate(ps, sp, use_tqdm=False)
+    cm = llm.engine.cache_manager
+    assert cm.allocator.is_idle()
+    if isinstance(cm, DeltaKVCacheManager):
+        assert cm.raw_slots.num_free == cm.raw_slots.num_slots and not cm.requests
+        assert len(cm.free_rows) == cm.config.max_num_seqs + 1
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def count_compressions(llm):
+    cm = llm.engine.cache_manager
+    log = {"tokens": 0}
+    compress = cm._compress
+
+    def counted(seq, req, start, end):
+        log["tokens"] += end - start
+        return compress(seq, req, start, end)
+    cm._compress = counted
+    return log
+
+
+# ---------------------------------------------------------------- knobs and roles
+
+def test_default_full_layers_are_the_papers_scaled_to_the_depth():
+    assert dc.default_full_layers(32) == [0, 1, 2, 8, 18]
+    assert dc.default_full_layers(30) == [0, 1, 2, 8, 17]
+    assert dc.default_full_layers(4) == [0, 1, 2]
+    roles = layer_roles(6, [0, 3])
+    assert roles == [("full", 1), ("sparse", 0), ("sparse", 0), ("full", 1), ("sparse", 3), ("sparse", 3)]
+
+
+@pytest.mark.parametrize("knobs,msg", [
+    (dict(), "deltakv_compressor_path is required"),
+    (dict(deltakv_compressor_path="/no/such/dir"), "deltakv_compressor_path='/no/such/dir' holds no"),
+    (dict(load_format="dummy", deltakv_latent_dim=0), "deltakv_latent_dim=0 is invalid"),
+    (dict(load_format="dummy", deltakv_cluster_ratio=1.0), "deltakv_cluster_ratio=1.0 is invalid"),
+    (dict(load_format="dummy", deltakv_cluster_ratio=0), "deltakv_cluster_ratio=0 is invalid"),
+    (dict(load_format="dummy", deltakv_neighbors=0), "deltakv_neighbors=0 is invalid"),
+    (dict(load_format="dummy", deltakv_full_layers=[1, 2]), "deltakv_full_layers=\\[1, 2\\] is invalid"),
+    (dict(load_format="dummy", deltakv_full_layers=[0, 0]), "deltakv_full_layers=\\[0, 0\\] is invalid"),
+    (dict(load_format="dummy", deltakv_sink=0), "deltakv_sink=0 is invalid"),
+    (dict(load_format="dummy", deltakv_recent=0), "deltakv_recent=0 is invalid"),
+    (dict(load_format="dummy", deltakv_decode_keep=0), "deltakv_decode_keep=0 is invalid"),
+])
+def test_bad_knobs_are_rejected_before_any_model_loads(knobs, msg):
+    with pytest.raises(ValueError, match=msg):
+        make_config("/no/such/model", "deltakv", **knobs)
+
+
+@pytest.fixture
+def no_weights(monkeypatch):
+    from sparsevllm.engine import model_runner
+
+    def no_load(*a, **k):
+        raise AssertionError("weights started loading")
+    monkeypatch.setattr(model_runner, "load_weights", no_load)
+    monkeypatch.setattr(model_runner, "init_dummy_weights", no_load)
+
+
+def test_full_layers_out_of_range_fail_before_weights_load(tiny_model, no_weights):
+    with pytest.raises(ValueError, match=r"deltakv_full_layers=\[0, 4\] is out of range .* 4 layers"):
+        LLM(model(tiny_model), vllm_sparse_method="deltakv", load_format="dummy", deltakv_full_layers=[0, 4],
+            device="cpu")
+
+
+def test_mismatched_compressor_fails_before_weights_load(tiny_model, tmp_path, no_weights):
+    other = compressor(tiny_model("llama", num_hidden_layers=4, num_key_value_heads=4), tmp_path / "c")
+    with pytest.raises(ValueError, match="deltakv_compressor_path=.*another model shape.*num_key_value_heads"):
+        LLM(model(tiny_model), vllm_sparse_method="deltakv", deltakv_compressor_path=other, device="cpu")
+    comp = compressor(model(tiny_model), tmp_path / "d", full=(0, 2))
+    with pytest.raises(ValueError, match="no codec for sparse layers \\[2\\]"):
+        LLM(model(tiny_model), vllm_sparse_method="deltakv", deltakv_compressor_path=comp,
+            deltakv_full_layers=[0], device="cpu")
+    with pytest.raises(ValueError, match="deltakv_latent_dim=8 contradicts"):
+        LLM(model(tiny_model), vllm_sparse_method="deltakv", deltakv_compressor_path=comp, deltakv_latent_dim=8,
+            device="cpu")
+
+
+# ---------------------------------------------------------------- kernels: round trip, causality
+
+def pool_case(n, H=2, D=8, seed=0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    angle = torch.arange(n).view(-1, 1) * torch.rand(1, D // 2, generator=g)   # a true rotation per position
+    cos_sin = torch.cat([torch.cos(angle), torch.sin(angle)], dim=1)
+    k = torch.randn(2 * n, H, D, generator=g).to(dtype)
+    v = torch.randn(2 * n, H, D, generator=g).to(dtype)
+    slots = torch.randperm(2 * n, generator=g)[:n]
+    return k, v, slots, cos_sin
+
+
+def test_gather_x_undoes_rope():
+    n, H, D = 40, 2, 8
+    k, v, slots, cos_sin = pool_case(n, H, D)
+    pos = torch.arange(n)
+    x = kd.gather_x_ref(k, v, slots, pos, cos_sin)
+    cos, sin = cos_sin[pos].unsqueeze(1).chunk(2, dim=-1)
+    k_pre = x[:, :H * D].view(n, H, D)
+    a, b = k_pre.chunk(2, dim=-1)
+    torch.testing.assert_close(torch.cat([a * cos - b * sin, b * cos + a * sin], -1), k[slots])
+    torch.testing.assert_close(x[:, H * D:].view(n, H, D), v[slots])
+
+
+def test_references_are_causal_and_equal_the_compressors_mean():
+    g = torch.Generator().manual_seed(1)
+    T, F, sink, stride, k = 60, 12, 3, 4, 3
+    x = torch.randn(T, F, generator=g)
+    is_ref = dc.reference_mask(T, sink, stride)
+    ref_pos = torch.nonzero(is_ref).squeeze(-1)
+    tok_pos = torch.nonzero(~is_ref).squeeze(-1)
+    codec = dc.LayerCodec(F, F, "linear")
+    with torch.no_grad():
+        codec.down.weight.copy_(torch.eye(F))
+        codec.down.bias.zero_()
+    z, nbr = kd.compress_block(x[tok_pos], x[ref_pos], ref_pos, tok_pos, k, codec, chunk=7)
+    assert (nbr < tok_pos.view(-1, 1)).all() and (nbr >= 0).all()            # only earlier references
+    assert is_ref[nbr.long()].all()
+    want_r = dc.nearest_reference_mean(x, is_ref, k)[tok_pos]
+    torch.testing.assert_close(x[tok_pos] - z, want_r, atol=1e-5, rtol=1e-5)  # z = down(x) - down(r), down = I
+    for i, t in enumerate(tok_pos.tolist()):                                  # naive: the k nearest earlier refs
+        earlier = [p for p in ref_pos.tolist() if p < t]
+        d = {p: float((x[t] - x[p]).double().norm()) for p in earlier}
+        assert sorted(nbr[i].tolist()) == sorted(sorted(earlier, key=lambda p: (d[p], p))[:k])
+
+
+def recon_case(B=3, C=20, S=8, H=2, D=8, NBR=2, seed=0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    n = 64
+    k, v, _, cos_sin = pool_case(n, H, D, seed, dtype)
+    raw_map = torch.randint(0, 2 * n, (B + 1, n), generator=g, dtype=torch.int32)
+    raw_map[torch.rand(B + 1, n, generator=g) < 0.5] = -1
+    raw_map[:, :4] = torch.randint(0, 2 * n, (B + 1, 4), generator=g, dtype=torch.int32)   # references: raw
+    view_pos = torch.randint(4, n, (B, C), generator=g, dtype=torch.int32)
+    lengths = torch.tensor([C, C // 2, 1][:B], dtype=torch.int32)
+    rows = torch.tensor([2, 0, 3][:B])
+    up_z = torch.randn(B, S, 2 * H * D, generator=g).to(dtype)
+    nbr = torch.randint(0, 4, (B, S, NBR), generator=g, dtype=torch.int32)
+    nbr[0, 0, 1] = -1
+    return view_pos, lengths, rows, raw_map, k, v, up_z, nbr, 3, cos_sin
+
+
+def test_compress_then_reconstruct_with_an_identity_compressor_is_exact():
+    n, H, D, sink, stride = 50, 2, 8, 4, 3
+    k, v, slots, cos_sin = pool_case(n, H, D)
+    is_ref = dc.reference_mask(n, sink, stride)
+    ref_pos, tok_pos = torch.nonzero(is_ref).squeeze(-1), torch.nonzero(~is_ref).squeeze(-1)
+    F = 2 * H * D
+    codec = dc.LayerCodec(F, F, "linear")
+    with torch.no_grad():
+        for lin in (codec.down, codec.up):
+            lin.weight.copy_(torch.eye(F))
+            lin.bias.zero_()
+    x = kd.gather_x_ref(k, v, slots[tok_pos], tok_pos, cos_sin)
+    refs = kd.gather_x_ref(k, v, slots[ref_pos], ref_pos, cos_sin)
+    z, nbr = kd.compress_block(x, refs, ref_pos, tok_pos, 2, codec)
+    raw_map = torch.full((1, n), -1, dtype=torch.int32)
+    raw_map[0, ref_pos] = slots[ref_pos].to(torch.int32)                    # compressed tokens: freed
+    view_pos = tok_pos.view(1, -1).to(torch.int32)
+    C = view_pos.shape[1]
+    out_k, out_v = torch.zeros(C, H, D), torch.zeros(C, H, D)
+    with torch.no_grad():
+        up_z = codec.up(z).view(1, C, F)
+    kd.reconstruct_ref(view_pos, torch.tensor([C]), torch.tensor([0]), raw_map, k, v, up_z, nbr.view(1, C, 2), 0,
+                       cos_sin, out_k, out_v)
+    torch.testing.assert_close(out_k, k[slots[tok_pos]], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out_v, v[slots[tok_pos]], atol=1e-5, rtol=1e-5)
+
+
+@interp
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_gather_x_triton_matches_reference(dtype):
+    k, v, slots, cos_sin = pool_case(30, 2, 8, dtype=dtype)
+    pos = torch.arange(30)
+    torch.testing.assert_close(kd.gather_x_triton(k, v, slots, pos, cos_sin), kd.gather_x_ref(k, v, slots, pos, cos_sin),
+                               atol=1e-3, rtol=1e-3)
+
+
+@interp
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_reconstruct_triton_matches_reference(dtype):
+    args = recon_case(dtype=dtype)
+    B, C = args[0].shape
+    H, D = args[4].shape[1:]
+    outs = []
+    for fn in (kd.reconstruct_ref, kd.reconstruct_triton):
+        o_k, o_v = torch.full((B * C, H, D), 7.0, dtype=dtype), torch.full((B * C, H, D), 7.0, dtype=dtype)
+        fn(*args, o_k, o_v)
+        outs.append((o_k, o_v))
+    torch.testing.assert_close(outs[0][0], outs[1][0], atol=2e-3, rtol=2e-3)
+    torch.testing.assert_close(outs[0][1], outs[1][1], atol=2e-3, rtol=2e-3)
+
+
+@interp
+def test_engine_with_the_triton_kernels_equals_the_references(tiny_model, tmp_path, monkeypatch):
+    """The decode and prefill paths with every DeltaKV Triton kernel (interpreted on the CPU) give
+    the tokens the torch references give: the GPU wiring, short of graphs."""
+    from sparsevllm.engine.cache_manager import deltakv
+    from sparsevllm.kernels import omnikv
+    path = model(tiny_model)
+    comp = compressor(path, tmp_path / "c", "random", latent=6)
+    ps = prompts([150, 90], seed=11)
+    sp = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    knobs = dict(vllm_sparse_method="deltakv", device="cpu", deltakv_compressor_path=comp, deltakv_decode_keep=12,
+                 chunk_prefill_size=64, **SMALL)
+    want = run(LLM(path, **knobs), ps, sp)
+    monkeypatch.setattr(deltakv, "reconstruct", kd.reconstruct_triton)
+    monkeypatch.setattr(deltakv, "gather_x", kd.gather_x_triton)
+    monkeypatch.setattr(deltakv, "select_tokens", omnikv.select_tokens_triton)
+    assert run(LLM(path, **knobs), ps, sp) == want
+
+
+# ---------------------------------------------------------------- engine: equal to vanilla
+
+@pytest.mark.parametrize("chunk", [4096, 64])
+def test_deltakv_equals_vanilla_when_nothing_is_compressed(tiny_model, tmp_path, chunk):
+    path = model(tiny_model)
+    comp = compressor(path, tmp_path / "c", "random", latent=4)
+    ps = prompts([20, 7, 33], seed=2)            # context stays within sink + 2 windows (4 + 32 + 12)
+    want = run(LLM(path, device="cpu", chunk_prefill_size=chunk), ps)
+    llm = LLM(path, vllm_sparse_method="deltakv", device="cpu", deltakv_compressor_path=comp,
+              chunk_prefill_size=chunk, **{k: v for k, v in SMALL.items() if k != "deltakv_recent"},
+              deltakv_recent=32)
+    log = count_compressions(llm)
+    assert run(llm, ps) == want and log["tokens"] == 0
+
+
+@pytest.mark.parametrize("lengths,chunk", [([300], 4096), ([300, 170, 45], 4096), ([230, 301], 64)])
+def test_deltakv_equals_vanilla_when_decode_keep_covers_every_compressed_token(tiny_model, tmp_path, lengths, chunk,
+                                                                              monkeypatch):
+    from sparsevllm.engine.cache_manager import deltakv
+    monkeypatch.setattr(deltakv, "COMPRESS_CHUNK", 16)   # a long prompt's compression runs in chunks
+    path = model(tiny_model)
+    comp = compressor(path, tmp_path / "c", "identity")
+    ps = prompts(lengths, seed=3)
+    sp = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)   # decode compresses too
+    want = run(LLM(path, device="cpu", chunk_prefill_size=chunk), ps, sp)
+    llm = LLM(path, vllm_sparse_method="deltakv", device="cpu", deltakv_compressor_path=comp,
+              chunk_prefill_size=chunk, deltakv_decode_keep=512, **SMALL)
+    log = count_compressions(llm)
+    assert run(llm, ps, sp) == want
+    assert log["tokens"] > sum(lengths) // 2          # most of the context went through the latents
+
+
+def test_deltakv_differs_from_vanilla_when_it_selects_and_compresses(tiny_model, tmp_path):
+    path = model(tiny_model)
+    comp = compressor(path, tmp_path / "c", "random", latent=4)
+    ps = prompts([400], seed=4)
+    sp = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    want = run(LLM(path, device="cpu"), ps, sp)
+    got = run(LLM(path, vllm_sparse_method="deltakv", device="cpu", deltakv_compressor_path=comp,
+                  deltakv_decode_keep=8, **SMALL), ps, sp)
+    assert got != want
+
+
+# ---------------------------------------------------------------- selection oracle, storage
+
+def check_views(llm, log):
+    """Every sparse run's selection equals a float64 oracle from the scoring layer's query and keys;
+    the view is sink + selected + raw tail, distinct positions below the query's."""
+    cm = llm.engine.cache_manager
+    build, select = cm.build_decode_view, cm._select
+    captured = {}
+
+    def build_logged(layer_id, q, step):
+        if cm.roles[layer_id] == ("full", 1):
+            captured["q"], captured["layer"] = q.clone(), layer_id
+        return build(layer_id, q, step)
+
+    def select_checked(scores, step):
+        view_pos, lengths, latent_slots = select(scores, step)
+        knobs = cm.method_config
+        sink, keep, P = knobs.deltakv_sink, knobs.deltakv_decode_keep, cm.page_size
+        q, layer = captured["q"], captured["layer"]
+        k_cache = cm.pool.layer(cm.index[layer])[0]
+        Hq, Hkv = q.shape[1], k_cache.shape[1]
+        for b, seq in enumerate(step.seqs):
+            req = cm.requests[seq.seq_id]
+            length, comp_end = int(step.cache_lens[b]), req.comp_end
+            row = step.block_tables[b].tolist()
+            score = {}
+            for j in range(sink, comp_end):
+                key = k_cache[row[j // P] * P + j % P].double()
+                score[j] = max(float(q[b, h].double() @ key[h // (Hq // Hkv)]) for h in range(Hq)) / cm.head_dim ** 0.5
+            want = sorted(sorted(score, key=lambda j: (-score[j], j))[:keep])
+            n = int(lengths[b])
+            got = view_pos[b, :n].tolist()
+            n_sel = n - sink - (length - comp_end)
+            assert got[:sink] == list(range(sink)) and got[sink + n_sel:] == list(range(comp_end, length))
+            chosen = got[sink:sink + n_sel]
+            assert chosen == sorted(set(chosen)) and all(sink <= j < comp_end for j in chosen)
+            if chosen != want:   # fp32 scores: allow swaps only between near-ties
+                cut = sorted(score.values(), reverse=True)[len(want) - 1]
+                assert len(chosen) == len(want) and all(abs(score[j] - cut) < 1e-4 for j in set(chosen) ^ set(want))
+            log["sparse"] += n_sel < comp_end - sink
+            log["views"] += 1
+        return view_pos, lengths, latent_slots
+    cm.build_decode_view, cm._select = build_logged, select_checked
+    return llm
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_deltakv_selection_equals_oracle_and_is_causal(tiny_model, tmp_path, arch):
+    path = model(tiny_model, arch)
+    comp = compressor(path, tmp_path / "c", "random", latent=6)
+    log = {"sparse": 0, "views": 0}
+    llm = check_views(LLM(path, vllm_sparse_method="deltakv", device="cpu", deltakv_compressor_path=comp,
+                          deltakv_decode_keep=10, **SMALL), log)
+    run(llm, prompts([150, 90, 64], seed=5), SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True))
+    assert log["views"] > 0 and log["sparse"] > 0
+
+
+def test_compressed_tokens_free_their_raw_slots_and_references_stay(tiny_model, tmp_path):
+    path = model(tiny_model)
+    comp = compressor(path, tmp_path / "c", "random", latent=4)
+    llm = LLM(path, vllm_sparse_method="deltakv", device="cpu", deltakv_compressor_path=comp, **SMALL)
+    cm = llm.engine.cache_manager
+    seen = []
+    on_step_end = cm.on_step_end
+
+    def checked(step):
+        on_step_end(step)
+        for seq, n in zip(step.seqs, step.num_tokens):
+            req, length = cm.requests[seq.seq_id], seq.cache_len + n
+            held = np.flatnonzero(req.slots[:length] >= 0)
+            sink, stride = 4, 4
+            refs = [p for p in range(sink, req.comp_end) if (p - sink) % stride == 0]
+            assert held.tolist() == list(range(sink)) + refs + list(range(req.comp_end, length))
+            # every latent's references are still raw
+            i = 0
+            for p in range(sink, req.comp_end):
+                if (p - sink) % stride:
+                    slot = cm.tables.arrays[seq.seq_id][p // cm.page_size] * cm.page_size + p % cm.page_size
+                    nbr = cm.neighbors[i][slot]
+                    assert ((nbr < p) & (nbr >= 0)).all() and (req.slots[nbr.long().numpy()] >= 0).all()
+                    assert (cm.raw_map[req.row, nbr.long()] >= 0).all()
+            seen.append((length, len(held)))
+    cm.on_step_end = checked
+    run(llm, prompts([500], seed=6), SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
+    length, held = seen[-1]
+    assert held < length / 3      # sink + a quarter of the compressed (references) + at most two windows
+    assert cm.raw_slots.peak_used >= 500
+
+
+def test_sizing_admits_about_three_times_as_many_128k_requests_as_vanilla():
+    """Llama-3.1-8B's shape, 110 GiB of KV budget: vanilla's pages hold 6 requests of 128K + 256
+    tokens; DeltaKV's split of the same bytes (raw room for a prefill step's chunk and the scratch
+    off the top) holds over three times as many, counting pages and raw slots."""
+    from sparsevllm.engine.cache_manager.deltakv import split_budget
+    knobs = dict(max_model_len=131072 + 256, max_num_seqs=64, load_format="dummy")
+    cfg = make_config(None, "deltakv", **knobs)
+    cfg.method_config.deltakv_full_layers = dc.default_full_layers(32)
+    cfg.method_config.deltakv_latent_dim = 128
+    budget, L = 110 << 30, 131072 + 256
+    va = VanillaCacheManager.bytes_per_page(make_config(None, **knobs), 32, 8, 128, torch.bfloat16)
+    vanilla_fit = (budget // va) // -(-L // 16)
+    pages, raw = split_budget(cfg, budget // DeltaKVCacheManager.bytes_per_page(cfg, 32, 8, 128, torch.bfloat16),
+                              32, 8, 128, torch.bfloat16)
+    per_request_raw = 8 + L // 10 + 2 * 128 + 1
+    deltakv_fit = min(pages // -(-L // 16), (raw - 8192) // per_request_raw)   # one chunk raw in prefill
+    assert vanilla_fit == 6 and deltakv_fit >= 3 * vanilla_fit, deltakv_fit
+    held = DeltaKVCacheManager.kv_tokens_held(cfg, 131072, 256)
+    assert held <= 0.35 * L
+    read = DeltaKVCacheManager.decode_kv_tokens_read(cfg, 32, 131072, 131072 + 100)
+    assert read < 0.35 * 131072
+
+
+def test_same_memory_decodes_more_long_requests_together_than_vanilla(tiny_model, tmp_path):
+    """The pool sized from the same cpu_kv_cache_gb: vanilla decodes 5 requests of 900 tokens at
+    once, DeltaKV (7 of 8 layers compressed) twice as many, in no more bytes."""
+    path = tiny_model("llama", num_hidden_layers=8)
+    comp = compressor(path, tmp_path / "c", "random", full=(0,), latent=4)
+    common = dict(device="cpu", max_num_seqs=12, max_num_batched_tokens=256, chunk_prefill_size=256,
+                  cpu_kv_cache_gb=0.01, max_model_len=1024)
+    small = {**SMALL, "deltakv_full_layers": [0], "deltakv_decode_keep": 16}
+    ps = prompts([900] * 12, seed=12)
+    sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    peaks, pools = [], []
+    for knobs in ({}, dict(vllm_sparse_method="deltakv", deltakv_compressor_path=comp, **small)):
+        llm = LLM(path, **common, **knobs)
+        running, step, peak = llm.engine.scheduler.running, llm.engine.step, [0]
+
+        def counted(step=step, running=running, peak=peak):
+            out = step()
+            peak[0] = max(peak[0], sum(not s.in_prefill for s in running))
+            return out
+        llm.engine.step = counted
+        run(llm, ps, sp)
+        peaks.append(peak[0])
+        pools.append(llm.engine.cache_manager.memory_accounting()["kv_pool_bytes"])
+    assert pools[1] <= pools[0] and peaks[0] == 5 and peaks[1] >= 2 * peaks[0], (peaks, pools)
+
+
+def test_memory_accounting_shows_freed_raw_slots(tiny_model, tmp_path):
+    path = model(tiny_model)
+    comp = compressor(path, tmp_path / "c", "random", latent=4)
+    llm = LLM(path, vllm_sparse_method="deltakv", device="cpu", deltakv_compressor_path=comp, **SMALL)
+    cm = llm.engine.cache_manager
+    before = cm.memory_accounting()
+    used = []
+    on_step_end = cm.on_step_end
+
+    def logged(step):
+        on_step_end(step)
+        used.append(cm.memory_accounting()["used_raw_slots"])
+    cm.on_step_end = logged
+    run(llm, prompts([400], seed=7), SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True))
+    assert before["used_raw_slots"] == 0 and used[0] < 400 / 2
+    assert cm.memory_accounting()["used_raw_slots"] == 0
+
+
+def test_chunked_prefill_never_holds_the_prompt_raw(tiny_model, tmp_path):
+    path = model(tiny_model)
+    comp = compressor(path, tmp_path / "c", "random", latent=4)
+    llm = LLM(path, vllm_sparse_method="deltakv", device="cpu", deltakv_compressor_path=comp, chunk_prefill_size=64,
+              max_num_batched_tokens=64, **SMALL)
+    run(llm, prompts([600], seed=8), SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    sink, w, stride = 4, 16, 4
+    assert llm.engine.cache_manager.raw_slots.peak_used <= sink + 2 * w + 64 + 600 // stride + 1
+
+
+# ---------------------------------------------------------------- GPU
+
+@gpu
+def test_gpu_deltakv_kernels_match_references_bf16():
+    args = [a.cuda() if isinstance(a, torch.Tensor) else a for a in recon_case(B=3, C=40, S=16, H=8, D=128,
+                                                                                 NBR=4, dtype=torch.bfloat16)]
+    B, C = args[0].shape
+    H, D = args[4].shape[1:]
+    outs = []
+    for fn in (kd.reconstruct_ref, kd.reconstruct_triton):
+        o_k = torch.zeros(B * C, H, D, dtype=torch.bfloat16, device="cuda")
+        o_v = torch.zeros_like(o_k)
+        fn(*args, o_k, o_v)
+        outs.append((o_k.float(), o_v.float()))
+    torch.testing.assert_close(outs[0][0], outs[1][0], atol=3e-2, rtol=2e-2)
+    torch.testing.assert_close(outs[0][1], outs[1][1], atol=3e-2, rtol=2e-2)
+    k, v, slots, cos_sin = [t.cuda() for t in pool_case(500, 8, 128, dtype=torch.bfloat16)]
+    pos = torch.arange(500, device="cuda")
+    torch.testing.assert_close(kd.gather_x_triton(k, v, slots, pos, cos_sin), kd.gather_x_ref(k, v, slots, pos, cos_sin),
+                               atol=2e-2, rtol=2e-2)
+
+
+@gpu
+def test_gpu_deltakv_graph_replay_equals_eager(tiny_model, tmp_path):
+    path = model(tiny_model)
+    comp = compressor(path, tmp_path / "c", "random", latent=8)
+    ps = prompts([300, 90, 500, 41], seed=8)
+    knobs = dict(vllm_sparse_method="deltakv", device="cuda", dtype="float32", deltakv_compressor_path=comp,
+                 deltakv_decode_keep=20, **SMALL)
+    sp = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    eager = LLM(path, enforce_eager=True, **knobs)
+    graph = LLM(path, **knobs)
+    assert graph.execution_mode == "cuda_graph"
+    assert run(graph, ps, sp) == run(eager, ps, sp)
+
+
+@gpu
+def test_gpu_deltakv_equals_vanilla_with_identity_compressor(tiny_model, tmp_path):
+    path = model(tiny_model)
+    comp = compressor(path, tmp_path / "c", "identity")
+    ps = prompts([300, 170, 45, 600], seed=9)
+    sp = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    want = run(LLM(path, device="cuda", dtype="float32"), ps, sp)
+    got = run(LLM(path, vllm_sparse_method="deltakv", device="cuda", dtype="float32", deltakv_compressor_path=comp,
+                  deltakv_decode_keep=1024, **SMALL), ps, sp)
+    assert got == want
+
+
+@gpu
+def test_gpu_deltakv_dummy_compressor_bf16_graphs_free_raw_slots(tiny_model):
+    """load_format="dummy" builds a random compressor of the configured shape; the bf16 engine with
+    graphs runs batch 3 over compressed contexts (chunked prefill included) and returns every slot."""
+    path = model(tiny_model)
+    llm = LLM(path, vllm_sparse_method="deltakv", device="cuda", load_format="dummy", chunk_prefill_size=128,
+              deltakv_decode_keep=64, **SMALL)
+    assert llm.execution_mode == "cuda_graph"
+    cm = llm.engine.cache_manager
+    used = []
+    on_step_end = cm.on_step_end
+
+    def logged(step):
+        on_step_end(step)
+        used.append(cm.memory_accounting()["used_raw_slots"])
+    cm.on_step_end = logged
+    outs = run(llm, prompts([700, 650, 90], seed=10), SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True))
+    assert all(len(o) == 50 for o in outs)
+    assert max(used) < (700 + 650) / 2
