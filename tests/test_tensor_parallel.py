@@ -1,11 +1,9 @@
 """Tensor-parallel layers on CPU with gloo, 2 ranks (issue #17 groundwork): each rank loads only its
 slice of the full weights, and the sharded MLP / QKV->O projections equal the dense ones."""
-import os
 import socket
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
@@ -17,8 +15,8 @@ def _free_port() -> int:
 
 
 def _worker(rank, world, port, results, backend="gloo"):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group(backend, rank=rank, world_size=world)
+    from sparsevllm.distributed import destroy_tensor_parallel, init_tensor_parallel
+    init_tensor_parallel(rank, world, port, backend)
     if backend == "nccl":  # same code on two GPUs: default tensors on this rank's GPU
         torch.cuda.set_device(rank)
         torch.set_default_device(f"cuda:{rank}")
@@ -71,7 +69,7 @@ def _worker(rank, world, port, results, backend="gloo"):
         results[rank] = (ok_vocab, torch.allclose(mlp, ref_mlp, atol=1e-4), torch.allclose(attn, ref_attn, atol=1e-4), ok_kv,
                          tuple(gu.weight.shape), tuple(dn.weight.shape), tuple(qkv.weight.shape))
     finally:
-        dist.destroy_process_group()
+        destroy_tensor_parallel()
 
 
 def test_parallel_linear_two_ranks_equal_dense():

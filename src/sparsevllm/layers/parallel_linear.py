@@ -1,4 +1,4 @@
-"""Tensor-parallel linear layers (groundwork for issue #17; the models do not use them yet).
+"""Tensor-parallel linear layers, vocab-parallel embedding and LM head (issue #17).
 
 Each rank holds only its slice of a weight; `weight_loader(param, full_or_part, shard_id)` copies that
 slice out of a checkpoint tensor so a rank never materialises another rank's weights on its device.
@@ -10,6 +10,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+
+from sparsevllm.distributed import tp_rank, tp_size
 
 
 def narrow(loaded, dim: int, start: int, n: int) -> torch.Tensor:
@@ -25,9 +27,7 @@ def full(loaded) -> torch.Tensor:
 
 
 def tp_rank_size() -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
+    return tp_rank(), tp_size()
 
 
 class ColumnParallelLinear(nn.Module):
