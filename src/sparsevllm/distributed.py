@@ -68,8 +68,9 @@ def agree_min(value: int) -> int:
 
 
 def combine_shared_scores(scores: torch.Tensor, op: str = "max") -> torch.Tensor:
-    """In place max (or sum) over ranks of per-rank scores already reduced over the rank's heads."""
+    """The max (or sum) over ranks of per-rank scores already reduced over the rank's heads."""
     if tp_size() > 1:
+        scores = scores.contiguous()   # collectives need dense memory (a no-op when it already is)
         dist.all_reduce(scores, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
     return scores
 
