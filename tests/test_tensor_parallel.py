@@ -90,12 +90,6 @@ def test_parallel_linear_two_gpus_nccl_equal_dense():
         assert all(results[rank][:4]), (rank, results[rank])
 
 
-def test_tp_size_gt_1_is_a_clear_error_until_wired():
-    from sparsevllm.method_registry import make_config
-    with pytest.raises(ValueError, match="tensor_parallel_size"):
-        make_config(tensor_parallel_size=2)
-
-
 def test_weight_loader_reads_only_the_slice_from_safetensors(tmp_path):
     """A rank's loader reads its rows/columns straight from the file (safetensors get_slice)."""
     from safetensors import safe_open
