@@ -132,6 +132,10 @@ class DecodeGraphs:
     harmless token, and their logits are dropped). The block-table width is fixed at max_model_len
     pages, so the decode kernel's split count is fixed per bucket; kernels size their work from
     the lengths they read, not from the table width.
+
+    Under tensor parallelism each rank captures the same buckets in the same order; a graph holds
+    the rank's NCCL all-reduces (two per layer, plus the embedding's), and the LM head's gather
+    to rank 0 runs after the replay, on the rows of the real batch.
     """
 
     def __init__(self, runner: ModelRunner):
@@ -175,7 +179,7 @@ class DecodeGraphs:
         try:
             with torch.cuda.graph(graph, pool=self.pool):
                 hidden = self.runner.model(step.input_ids, step.positions)
-                self.outputs[b] = self.runner.model.compute_logits(hidden[step.logits_indices])
+                self.outputs[b] = self.runner.model.compute_logits(hidden[step.logits_indices], gather=False)
         finally:
             self.runner.controller.end()
         self.pool = self.pool or graph.pool()
@@ -196,5 +200,4 @@ class DecodeGraphs:
         for k, v in step.extras.items():
             s.extras[k][:n].copy_(v)
         self.graphs[b].replay()
-        out = self.outputs[b]
-        return out[:n] if out is not None else None
+        return self.runner.model.gather_logits(self.outputs[b][:n])

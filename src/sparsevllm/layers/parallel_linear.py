@@ -130,17 +130,22 @@ class VocabParallelEmbedding(nn.Module):
 
 class ParallelLMHead(VocabParallelEmbedding):
     """Logits for the rank's vocab slice, gathered to rank 0 (the only rank that samples); other
-    ranks return None. Ties to the embedding by sharing the same (identically sliced) parameter."""
+    ranks get None. Ties to the embedding by sharing the same (identically sliced) parameter.
+    gather=False returns the slice: a CUDA graph captures up to there and `gather` runs after the
+    replay, as nano-vllm keeps its logits gather out of the graph."""
 
     def __init__(self, vocab_size: int, hidden: int, tied_to: VocabParallelEmbedding | None = None):
         super().__init__(vocab_size, hidden)
         if tied_to is not None:
             self.weight = tied_to.weight
 
-    def forward(self, x):
+    def forward(self, x, gather: bool = True):
         logits = F.linear(x, self.weight)
+        return self.gather(logits) if gather else logits
+
+    def gather(self, logits: torch.Tensor) -> torch.Tensor | None:
         if self.tp_size == 1:
             return logits
         parts = [torch.empty_like(logits) for _ in range(self.tp_size)] if self.tp_rank == 0 else None
-        dist.gather(logits, parts, dst=0)
+        dist.gather(logits.contiguous(), parts, dst=0)
         return torch.cat(parts, dim=-1) if self.tp_rank == 0 else None

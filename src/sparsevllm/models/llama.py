@@ -103,6 +103,10 @@ class LlamaForCausalLM(nn.Module):
         x, _ = self.norm(x, residual)
         return x
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        """Logits on rank 0; None on the other ranks (only rank 0 samples)."""
-        return self.lm_head(hidden)
+    def compute_logits(self, hidden: torch.Tensor, gather: bool = True) -> torch.Tensor | None:
+        """Logits on rank 0; None on the other ranks (only rank 0 samples). gather=False: this
+        rank's vocab slice, completed later by gather_logits (CUDA graphs capture up to the slice)."""
+        return self.lm_head(hidden, gather)
+
+    def gather_logits(self, local: torch.Tensor) -> torch.Tensor | None:
+        return self.lm_head.gather(local)
