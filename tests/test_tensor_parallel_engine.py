@@ -66,6 +66,29 @@ def test_tp2_under_preemption_and_overlapped_scheduling(tiny_model):
     assert followers[0]["idle"] and followers[0]["num_free"] == 14
 
 
+def test_tp2_tied_embeddings_prompt_logprobs_and_samples(tiny_model):
+    """A tied LM head (the embedding's vocab slice), prompt log-probabilities (the same logits rows
+    on every rank) and n = 2 samples sharing the prompt's pages through the prefix cache."""
+    path = tiny_model("llama_tied")
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, n=2, prompt_logprobs=1, logprobs=1)
+    outs = []
+    for tp in (1, 2):
+        llm = LLM(path, num_kv_pages=128, tensor_parallel_size=tp)
+        try:
+            outs.append(llm.generate(PROMPTS[:2], params, use_tqdm=False))
+            if tp == 2:
+                assert llm.engine.workers.query("allocator")[0]["idle"]
+        finally:
+            llm.shutdown()
+    ref, got = outs
+    for r, g in zip(ref, got):
+        assert [c.token_ids for c in g.outputs] == [c.token_ids for c in r.outputs]
+        assert len(g.outputs) == 2 and g.outputs[0].token_ids == g.outputs[1].token_ids
+        lp_r = [next(iter(d.values())).logprob for d in r.prompt_logprobs[1:]]
+        lp_g = [next(iter(d.values())).logprob for d in g.prompt_logprobs[1:]]
+        assert lp_g == pytest.approx(lp_r, abs=1e-4)
+
+
 def test_bad_request_fails_alone_under_tp(tiny_model):
     path = tiny_model("llama")
     prompts = [PROMPTS[0], [1, 2, 10_000], PROMPTS[1]]

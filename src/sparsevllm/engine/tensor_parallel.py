@@ -89,7 +89,7 @@ class Workers:
             except Exception:   # the group is broken (a rank failed): the processes are stopped below
                 pass
         for p in self.procs:
-            p.join(timeout=30)
+            p.join(timeout=10)
             if p.is_alive():
                 p.terminate()
                 p.join(timeout=5)
