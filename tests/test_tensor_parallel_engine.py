@@ -29,6 +29,10 @@ def _run(path, prompts=PROMPTS, **knobs):
     try:
         outs = llm.generate(prompts, GREEDY, use_tqdm=False)
         followers = llm.engine.workers.query("allocator") if llm.engine.workers else []
+        if llm.engine.workers:   # eviction (SnapKV) happened alike on every rank
+            for acc in llm.engine.workers.query("accounting"):
+                for key in ("compactions", "evicted_tokens_total", "kv_peak_used_bytes"):
+                    assert acc.get(key) == llm.memory_accounting().get(key), key
         return outs, followers, llm.engine.scheduler.num_preemptions
     finally:
         llm.shutdown()

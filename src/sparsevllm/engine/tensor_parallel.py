@@ -193,6 +193,9 @@ class Follower:
         return {"idle": a.is_idle(), "num_free": a.num_free, "num_pages": a.num_pages,
                 "tables": len(self.cm.tables.tables), "mirrors": len(self.seqs)}
 
+    def query_accounting(self) -> dict:
+        return self.cm.memory_accounting()
+
     def loop(self) -> None:
         while True:
             command = tp.broadcast_command()
