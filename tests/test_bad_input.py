@@ -39,7 +39,7 @@ def test_unknown_knob_suggests_closest():
     ("dtype", "fp8", "dtype='fp8' is invalid"),
     ("gpu_memory_utilization", 1.5, "gpu_memory_utilization"),
     ("max_num_seqs", 0, "max_num_seqs=0"),
-    ("tensor_parallel_size", 2, "tensor_parallel_size"),
+    ("tensor_parallel_size", 0, "tensor_parallel_size=0 is invalid; valid: an integer >= 1"),
     ("async_scheduling", "on", "async_scheduling='on' is invalid; valid: None"),
 ])
 def test_invalid_engine_knob_values(knob, value, msg):

@@ -27,7 +27,8 @@ import bench_case  # noqa: E402
 import bench_roofline  # noqa: E402
 
 # knobs the benchmark sets itself, per case
-RESERVED_KNOBS = {"model": "--model_path", "vllm_sparse_method": "--methods", "sparse_method": "--methods"}
+RESERVED_KNOBS = {"model": "--model_path", "vllm_sparse_method": "--methods", "sparse_method": "--methods",
+                  "tensor_parallel_size": "--tp"}
 BASELINES = ("hf",)
 CHILD_FLAG = "--_run_case"  # not in --help: only this script starts case processes
 
@@ -89,6 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeat", type=int, default=1,
                    help="measured generations per case, each with fresh prompts; the median is reported")
     p.add_argument("--enforce_eager", action="store_true", help="decode without CUDA graphs")
+    p.add_argument("--tp", type=int, default=1,
+                   help="tensor-parallel ranks (GPUs of this host) per case; 1 runs on one device")
     p.add_argument("--baseline", choices=BASELINES, default=None,
                    help="also run Hugging Face transformers generate (SDPA, random weights, same prompts) as "
                         "method 'hf'")
@@ -139,6 +142,10 @@ def validate(args) -> dict:
             raise ValueError(f"--hyper_params must not set {key!r}; use {flag}")
     if args.enforce_eager:
         knobs["enforce_eager"] = True
+    if args.tp < 1:
+        raise ValueError(f"--tp {args.tp} is invalid; it must be an integer >= 1")
+    if args.tp > 1:
+        knobs["tensor_parallel_size"] = args.tp
     model_cfg, is_preset = load_model_config(args.model_path)
     if is_preset:
         if knobs.get("load_format", "dummy") != "dummy":
@@ -263,13 +270,15 @@ def make_row(case: dict, result: dict, args, plan: dict) -> dict:
     resolved = case["resolved_knobs"]
     bw = args.hbm_bw or (bench_roofline.DEFAULT_HBM_BW if (result.get("environment") or {}).get("gpu")
                          else result.get("measured_copy_bw") or bench_roofline.DEFAULT_HBM_BW)
+    if (result.get("environment") or {}).get("gpu"):
+        bw *= args.tp   # each of the tp GPUs streams its own slice of the weights and KV
     roof = bench_roofline.roofline(case["model_config"], _dtype_bytes(result, resolved),
                                    kv_read_model(plan, case["method"]), case["batch"], case["length"],
                                    case["output_len"], bw)
     row.update(roof)
     dec = row.get("decode_tok_s")
     row["roofline_fraction"] = dec / roof["roofline_tok_s"] if dec else None
-    row.update(model_path=args.model_path, engine_kwargs=case["engine_kwargs"], model_config=case["model_config"],
+    row.update(tp=args.tp, model_path=args.model_path, engine_kwargs=case["engine_kwargs"], model_config=case["model_config"],
                command=args.command)
     return row
 
@@ -323,6 +332,7 @@ def run_sweep(args, plan: dict) -> list[dict]:
     header = {"run": run_id, "model": args.model_path, "gpu": env.get("gpu") or "none (CPU)",
               "dtype": next((r.get("dtype") for r in rows if r.get("dtype")), "-"),
               "output_len": args.output_len, "repeat": args.repeat, "enforce_eager": args.enforce_eager,
+              "tp": args.tp,
               "hyper_params": args.hyper_params,
               "hbm_bw (B/s)": ", ".join(sorted({f"{r['hbm_bw']:.3g}" for r in rows})) or "-",
               "versions": ", ".join(f"{k} {env.get(k)}" for k in ("torch", "triton", "transformers", "sparsevllm")),

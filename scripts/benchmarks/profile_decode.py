@@ -4,6 +4,7 @@ shape, random weights.
 
     python scripts/benchmarks/profile_decode.py --batch 1 --length 4096 [--method vanilla] [--steps 32]
     python scripts/benchmarks/profile_decode.py --batch 64 --length 4096 --output_len 512 --vary_output --gaps
+    python scripts/benchmarks/profile_decode.py --batch 32 --length 4096 --tp 2   # all-reduce share under TP
 
 --gaps profiles every step after the last prefill until the last request finishes (requests ending at
 different steps with --vary_output) and reports the idle gaps between consecutive GPU operations:
@@ -27,7 +28,7 @@ from sparsevllm import LLM, SamplingParams
 
 def kind(name: str) -> str:
     n = name.lower()
-    for key, label in (("decode_split", "decode attention"), ("decode_merge", "decode attention (merge)"),
+    for key, label in (("nccl", "all-reduce (NCCL)"), ("decode_split", "decode attention"), ("decode_merge", "decode attention (merge)"),
                        ("gemm", "GEMM"), ("gemv", "GEMM"), ("nvjet", "GEMM"), ("cutlass", "GEMM"),
                        ("rms_norm", "rmsnorm"), ("rope_store", "rope + kv store"), ("silu", "silu_mul"),
                        ("argmax", "sampling"), ("copy", "copies"), ("quest_scores", "method: scores"),
@@ -69,6 +70,8 @@ def main():
     ap.add_argument("--gaps", action="store_true", help="profile from the last prefill to the end; report idle gaps")
     ap.add_argument("--preset", default="llama-3.1-8b")
     ap.add_argument("--hyper_params", default="{}")
+    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks; rank 0's kernels are profiled "
+                    "(its NCCL kernels' share is the all-reduce share of the step, waiting for peers included)")
     ap.add_argument("--out", default=None, help="write the breakdown as JSON here")
     args = ap.parse_args()
     output_len = args.output_len or 4 * args.steps
@@ -79,7 +82,7 @@ def main():
     # the model's own max_model_len, as the benchmark runs it: the CUDA graphs' table width (and so
     # the decode kernel's split count) is the same as there
     llm = LLM(folder, vllm_sparse_method=args.method, load_format="dummy", max_num_seqs=args.batch,
-              **json.loads(args.hyper_params))
+              tensor_parallel_size=args.tp, **json.loads(args.hyper_params))
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(1000, 30000, (args.length,), generator=gen).tolist() for _ in range(args.batch)]
     rng = np.random.default_rng(0)

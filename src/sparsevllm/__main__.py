@@ -18,6 +18,7 @@ def main(argv=None) -> int:
     ap.add_argument("--chat", action="store_true", help="wrap each prompt as a user turn of the chat template")
     ap.add_argument("--max_tokens", type=int, default=32, help="tokens to generate per prompt")
     ap.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (one process and one GPU each)")
     ap.add_argument("--hyper_params", default="{}", help="JSON of engine and method knobs, e.g. '{\"page_size\": 16}'")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
@@ -28,6 +29,8 @@ def main(argv=None) -> int:
     if not isinstance(knobs, dict):
         ap.error(f"--hyper_params must be a JSON object of knob: value, got {args.hyper_params!r}")
     try:
+        if args.tp != 1:
+            knobs["tensor_parallel_size"] = args.tp
         llm = LLM(args.model, vllm_sparse_method=args.method, **knobs)
         sp = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
     except (ValueError, TypeError) as e:   # a user's mistake: the message, not a traceback

@@ -70,7 +70,9 @@ class EngineConfig:
              "num_kv_pages", "None (sized from memory) or an integer >= 1")
         need(self.async_scheduling is None or isinstance(self.async_scheduling, bool), "async_scheduling",
              "None (on for CUDA, off on a CPU), True or False")
-        need(self.tensor_parallel_size == 1, "tensor_parallel_size", "1 (tensor parallelism is not implemented yet)")
+        need(isinstance(self.tensor_parallel_size, int) and not isinstance(self.tensor_parallel_size, bool)
+             and self.tensor_parallel_size >= 1, "tensor_parallel_size",
+             "an integer >= 1 (one process per rank, one GPU per rank on CUDA)")
 
 
 ENGINE_KNOBS = [f.name for f in fields(EngineConfig) if f.name not in ("model", "vllm_sparse_method", "method_config")]

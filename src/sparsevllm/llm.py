@@ -19,6 +19,21 @@ class LLM:
         self.tokenizer = self.engine.tokenizer
         self.hf_config = self.engine.model_config
 
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel worker processes (also at exit or when the LLM is collected)."""
+        engine = self.__dict__.get("engine")
+        if engine is not None:
+            engine.shutdown()
+
+    def __del__(self):
+        self.shutdown()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.shutdown()
+
     @property
     def execution_mode(self) -> str:
         return self.engine.model_runner.execution_mode

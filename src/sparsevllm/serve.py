@@ -362,6 +362,8 @@ def main(argv=None) -> int:
     ap.add_argument("--port", type=int, default=8000, help="(default: 8000)")
     ap.add_argument("--api-key", default=os.environ.get("SPARSEVLLM_API_KEY"),
                     help="require 'Authorization: Bearer KEY' (default: $SPARSEVLLM_API_KEY, else none)")
+    ap.add_argument("--tensor-parallel-size", type=int, default=1,
+                    help="tensor-parallel ranks, one process and one GPU each (default: 1)")
     ap.add_argument("--hyper-params", default="{}", help="JSON of engine and method knobs")
     args, extra = ap.parse_known_args(argv)
     try:
@@ -369,6 +371,8 @@ def main(argv=None) -> int:
 
         from sparsevllm import LLM
         knobs = parse_knobs(extra, args.hyper_params)
+        if args.tensor_parallel_size != 1:
+            knobs["tensor_parallel_size"] = args.tensor_parallel_size
         llm = LLM(args.model, vllm_sparse_method=args.sparse_method, **knobs)
         name = args.served_model_name or (os.path.basename(os.path.normpath(args.model)) if args.model
                                           else "smollm2-135m")
@@ -388,6 +392,7 @@ def main(argv=None) -> int:
         uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     finally:
         async_llm.shutdown()
+        llm.shutdown()
     return 0
 
 

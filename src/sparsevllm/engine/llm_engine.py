@@ -8,7 +8,8 @@ import torch
 from tqdm.auto import tqdm
 
 from sparsevllm.config import EngineConfig
-from sparsevllm.engine.model_runner import ModelRunner
+from sparsevllm.distributed import check_kv_heads
+from sparsevllm.engine.model_runner import ModelRunner, resolve_device
 from sparsevllm.engine.output_processor import OutputProcessor
 from sparsevllm.engine.sampling import SampledStep, position_logprobs, sample_step
 from sparsevllm.engine.scheduler import Scheduler
@@ -48,8 +49,15 @@ class LLMEngine:
         self.config = config
         self.tokenizer = self._load_tokenizer(model_path)
         eos_token_ids = self._eos_ids(model_path)
-        self.model_runner = ModelRunner(config, model_path, model_cfg, method_cls)
+        self.workers = self._start_workers(config, model_cfg, method_cls) if config.tensor_parallel_size > 1 else None
+        try:
+            self.model_runner = ModelRunner(config, model_path, model_cfg, method_cls)
+        except BaseException as e:
+            self._raise_worker_failure(e)
         self.cache_manager = self.model_runner.cache_manager
+        if self.workers is not None:
+            from sparsevllm.engine.tensor_parallel import CommandedCacheManager
+            self.cache_manager = CommandedCacheManager(self.cache_manager, self.workers)
         self.scheduler = Scheduler(config, self.cache_manager)
         self.generator = torch.Generator(device=self.model_runner.device).manual_seed(config.seed)
         self._seq_generators: dict[int, torch.Generator] = {}
@@ -59,6 +67,39 @@ class LLMEngine:
                                  else self.model_runner.device.type == "cuda")
         self._in_flight: SampledStep | None = None
         self.outputs = OutputProcessor(self.tokenizer, eos_token_ids, config.max_model_len)
+
+    def _start_workers(self, config: EngineConfig, model_cfg: ModelConfig, method_cls):
+        """Check the split before anything loads, then spawn ranks 1..N-1 (rank 0 is this process)."""
+        n = config.tensor_parallel_size
+        if not method_cls.capabilities.tensor_parallel:
+            raise ValueError(f"vllm_sparse_method={config.vllm_sparse_method!r} does not support "
+                             f"tensor_parallel_size={n} yet; use tensor_parallel_size=1")
+        check_kv_heads(model_cfg.num_key_value_heads, model_cfg.num_attention_heads, n)
+        for name in ("vocab_size", "intermediate_size"):
+            if getattr(model_cfg, name) % n:
+                raise ValueError(f"tensor_parallel_size={n} must divide the model's {name} "
+                                 f"({getattr(model_cfg, name)})")
+        device = resolve_device(config.device)
+        if device.type == "cuda" and torch.cuda.device_count() < n:
+            raise ValueError(f"tensor_parallel_size={n} needs {n} GPUs; {torch.cuda.device_count()} visible")
+        from sparsevllm.engine.tensor_parallel import Workers
+        return Workers(config, self.model_path, device.type)
+
+    def _raise_worker_failure(self, error: BaseException):
+        """After a failure on rank 0: raise a follower's error if one failed (the likely cause),
+        else the error itself; the tensor-parallel group is unusable either way."""
+        if self.workers is None:
+            raise error
+        failure = self.workers.failure()
+        self.shutdown()
+        if failure:
+            raise RuntimeError(failure) from error
+        raise error
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel ranks (nothing to do with one rank)."""
+        if self.workers is not None:
+            self.workers.shutdown()
 
     @property
     def eos_token_ids(self) -> set[int]:
@@ -158,7 +199,12 @@ class LLMEngine:
         the step finished here is the one launched before: its tokens were produced by the GPU
         while the host built this one, and this one reads them on the device.
         """
-        launched = self._launch()
+        try:
+            launched = self._launch()
+        except BaseException as e:
+            if self.workers is None or isinstance(e, KeyboardInterrupt):
+                raise
+            self._raise_worker_failure(e)
         if launched is None and self._in_flight is None:
             return (self._fail_stuck_request() if self.scheduler.has_work() else []), 0
         if self.async_scheduling:
@@ -246,6 +292,8 @@ class LLMEngine:
             bar.set_postfix_str(f"{num_tokens / max(time.perf_counter() - t0, 1e-9):.0f} tok/s")
             bar.update(len(finished))
         bar.close()
+        if self.workers is not None:
+            self.cache_manager.sync()   # the followers free what rank 0 freed after the last step
         assert self.cache_manager.allocator.is_idle() or self.scheduler.has_work(), "KV pages leaked"
 
     def abort(self, request: Sequence) -> None:

@@ -3,7 +3,9 @@ methods act only through the cache manager's hooks."""
 import logging
 
 import torch
+import torch.distributed as dist
 
+from sparsevllm import distributed as tp
 from sparsevllm.config import EngineConfig
 from sparsevllm.engine.step import StepState
 from sparsevllm.engine.sparse_controller import SparseController
@@ -19,9 +21,11 @@ GiB = 1 << 30
 
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        name = "cuda" if torch.cuda.is_available() else "cpu"
     if name == "cuda" and not torch.cuda.is_available():
         raise ValueError("device='cuda' but no CUDA device is available; use device='cpu' or 'auto'")
+    if name == "cuda" and tp.tp_size() > 1:
+        return torch.device("cuda", tp.tp_rank())   # one GPU per rank
     return torch.device(name)
 
 
@@ -45,8 +49,10 @@ class ModelRunner:
             load_weights(self.model, model_path)
         self.model.eval()
         model_cfg = model_config
-        num_pages = self._num_kv_pages(method_cls)
-        self.cache_manager = method_cls(config, model_cfg.num_hidden_layers, model_cfg.num_key_value_heads,
+        self.num_kv_heads = model_cfg.num_key_value_heads // tp.tp_size()   # this rank's KV heads
+        # Every rank holds the same pages (rank 0 allocates them for all): the fewest any rank fits.
+        num_pages = tp.agree_min(self._num_kv_pages(method_cls))
+        self.cache_manager = method_cls(config, model_cfg.num_hidden_layers, self.num_kv_heads,
                                         model_cfg.head_dim, num_pages, self.dtype, self.device)
         self.controller = SparseController(self.cache_manager)
         self.graphs = None
@@ -62,7 +68,7 @@ class ModelRunner:
 
     def _num_kv_pages(self, method_cls) -> int:
         cfg, model_cfg = self.config, self.model_config
-        page_bytes = method_cls.bytes_per_page(cfg, model_cfg.num_hidden_layers, model_cfg.num_key_value_heads,
+        page_bytes = method_cls.bytes_per_page(cfg, model_cfg.num_hidden_layers, self.num_kv_heads,
                                                model_cfg.head_dim, self.dtype)
         if cfg.num_kv_pages is not None:
             return cfg.num_kv_pages
@@ -94,24 +100,28 @@ class ModelRunner:
         return 2 * (t * width * elem + cfg.max_num_seqs * m.vocab_size * 4)
 
     @torch.inference_mode()
-    def forward(self, step: StepState, prev_tokens: torch.Tensor | None = None) -> torch.Tensor:
-        """Run the model on a step; return fp32 logits of the rows in step.logits_indices.
-        prev_tokens: the previous step's sampled tokens, where step.feed_rows takes input ids from."""
+    def forward(self, step: StepState, prev_tokens: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Run the model on a step; return fp32 logits of the rows in step.logits_indices (None on
+        a tensor-parallel rank > 0). prev_tokens: the previous step's sampled tokens, where
+        step.feed_rows takes input ids from."""
         if step.feed_rows is not None:
             fed = prev_tokens[step.feed_rows.clamp(min=0)]
             step.input_ids = torch.where(step.feed_rows >= 0, fed, step.input_ids)
+            if tp.tp_size() > 1:
+                dist.broadcast(step.input_ids, src=0)   # the other ranks have no sampled tokens
         if self.graphs is not None and not step.is_prefill and step.batch_size <= self.graphs.max_bs:
-            return self.graphs.replay(step).float()
+            logits = self.graphs.replay(step)
+            return logits.float() if logits is not None else None
         return self.eager_forward(step)
 
-    def eager_forward(self, step: StepState) -> torch.Tensor:
+    def eager_forward(self, step: StepState) -> torch.Tensor | None:
         self.controller.begin(step)
         try:
             hidden = self.model(step.input_ids, step.positions)
             logits = self.model.compute_logits(hidden[step.logits_indices])
         finally:
             self.controller.end()
-        return logits.float()
+        return logits.float() if logits is not None else None
 
 
 class DecodeGraphs:
@@ -122,6 +132,10 @@ class DecodeGraphs:
     harmless token, and their logits are dropped). The block-table width is fixed at max_model_len
     pages, so the decode kernel's split count is fixed per bucket; kernels size their work from
     the lengths they read, not from the table width.
+
+    Under tensor parallelism each rank captures the same buckets in the same order; a graph holds
+    the rank's NCCL all-reduces (two per layer, plus the embedding's), and the LM head's gather
+    to rank 0 runs after the replay, on the rows of the real batch.
     """
 
     def __init__(self, runner: ModelRunner):
@@ -165,7 +179,7 @@ class DecodeGraphs:
         try:
             with torch.cuda.graph(graph, pool=self.pool):
                 hidden = self.runner.model(step.input_ids, step.positions)
-                self.outputs[b] = self.runner.model.compute_logits(hidden[step.logits_indices])
+                self.outputs[b] = self.runner.model.compute_logits(hidden[step.logits_indices], gather=False)
         finally:
             self.runner.controller.end()
         self.pool = self.pool or graph.pool()
@@ -186,4 +200,4 @@ class DecodeGraphs:
         for k, v in step.extras.items():
             s.extras[k][:n].copy_(v)
         self.graphs[b].replay()
-        return self.outputs[b][:n]
+        return self.runner.model.gather_logits(self.outputs[b][:n])

@@ -1,12 +1,18 @@
 """Llama-family decoder: Llama 2/3/3.1, Mistral, SmolLM2; Qwen2 (qkv bias) and Qwen3 (q/k norm)
-are the same graph with a flag each (see qwen2.py, qwen3.py)."""
+are the same graph with a flag each (see qwen2.py, qwen3.py).
+
+Tensor parallel (Megatron split): a rank holds its query and KV heads of the fused QKV projection
+and its columns of gate_up, so attention and the activation run on local heads/columns; o_proj
+and down_proj are row-parallel and all-reduce their partial sums: two collectives per layer. With
+one rank every parallel layer is a plain linear."""
 import torch
 from torch import nn
 
 from sparsevllm.layers.activation import SiluAndMul
 from sparsevllm.layers.attention import Attention
-from sparsevllm.layers.embed_head import LMHead, VocabEmbedding
 from sparsevllm.layers.layernorm import RMSNorm
+from sparsevllm.layers.parallel_linear import (MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear,
+                                               RowParallelLinear, VocabParallelEmbedding)
 from sparsevllm.layers.rotary_embedding import RotaryEmbedding
 from sparsevllm.models.config import ModelConfig
 
@@ -14,10 +20,12 @@ from sparsevllm.models.config import ModelConfig
 class DecoderAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int, qkv_bias: bool, qk_norm: bool, rope: RotaryEmbedding):
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.head_dim = cfg.head_dim
+        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads,
+                                          cfg.num_key_value_heads, bias=qkv_bias)
+        self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size   # this rank's heads
+        self.num_heads, self.num_kv_heads = self.q_size // self.head_dim, self.kv_size // self.head_dim
+        self.o_proj = RowParallelLinear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size, bias=False)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if qk_norm else None
         self.attn = Attention(layer_id, self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5, rope)
@@ -37,8 +45,8 @@ class DecoderAttention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, bias=False)
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, bias=False)
         self.act = SiluAndMul()
 
     def forward(self, x):
@@ -74,12 +82,12 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
-        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, self.qkv_bias, self.qk_norm, self.rope)
                                     for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size,
-                              tied_to=self.embed_tokens if cfg.tie_word_embeddings else None)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size,
+                                      tied_to=self.embed_tokens if cfg.tie_word_embeddings else None)
 
     def shard_sizes(self, packed: str) -> list[int]:
         c = self.cfg
@@ -95,5 +103,10 @@ class LlamaForCausalLM(nn.Module):
         x, _ = self.norm(x, residual)
         return x
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
+    def compute_logits(self, hidden: torch.Tensor, gather: bool = True) -> torch.Tensor | None:
+        """Logits on rank 0; None on the other ranks (only rank 0 samples). gather=False: this
+        rank's vocab slice, completed later by gather_logits (CUDA graphs capture up to the slice)."""
+        return self.lm_head(hidden, gather)
+
+    def gather_logits(self, local: torch.Tensor) -> torch.Tensor | None:
+        return self.lm_head.gather(local)

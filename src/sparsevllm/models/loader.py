@@ -34,7 +34,6 @@ def load_weights(model: torch.nn.Module, path: str) -> None:
                     continue
                 if name == "lm_head.weight" and model.cfg.tie_word_embeddings:
                     continue  # tied: the embedding matrix is the head
-                tensor = f.get_tensor(hf_name)
                 target, shard = name, None
                 for hf_part, (packed, idx) in model.packed_modules.items():
                     if f".{hf_part}." in name:
@@ -44,6 +43,13 @@ def load_weights(model: torch.nn.Module, path: str) -> None:
                     raise ValueError(f"checkpoint tensor {hf_name!r} in {file} has no place in "
                                      f"{type(model).__name__}")
                 param = params[target]
+                owner = model.get_submodule(target.rpartition(".")[0]) if "." in target else model
+                if hasattr(owner, "weight_loader"):
+                    # tensor-parallel layer: it reads only this rank's slice out of the file
+                    owner.weight_loader(param, f.get_slice(hf_name), shard[1] if shard else None)
+                    loaded.add((target, shard[1] if shard else None))
+                    continue
+                tensor = f.get_tensor(hf_name)
                 if shard is None:
                     if param.shape != tensor.shape:
                         raise ValueError(f"{hf_name}: checkpoint shape {tuple(tensor.shape)} != model "

@@ -14,6 +14,12 @@ token may still be on the device (`seq.num_pending_tokens`); its id reaches the 
 Host hooks therefore never read sampled token ids of the step in flight, and decode hooks do
 tensor work only (no host syncs): decode steps are captured into CUDA graphs.
 
+Under tensor parallelism (engine/tensor_parallel.py) every rank has its own cache manager over its
+KV heads; rank 0's scheduler-facing calls (`allocate`, `reserve`, `free`, `commit`) are replayed on
+the other ranks before each step, and every rank runs `prepare_step`, the forward and `on_step_end`.
+Host decisions must therefore follow from counters, refcounts and token ids alone (then they agree);
+a selection shared by all heads combines scores across ranks (`distributed.combine_shared_scores`).
+
 A method subclasses CacheManager, declares its knobs (`config_cls`), its prefill policy, its
 capabilities and what one decode step reads (`decode_kv_tokens_read`, for the benchmark's
 roofline), and overrides the hooks it needs.
@@ -36,7 +42,7 @@ from sparsevllm.models.config import ModelConfig
 class Capabilities:
     cuda_graph: bool = True        # decode hooks are capturable
     prefix_cache: bool = True      # full raw pages may be shared between requests
-    tensor_parallel: bool = False
+    tensor_parallel: bool = False  # runs with tensor_parallel_size > 1 (else a clear ValueError)
 
 
 class CacheManager:

@@ -215,7 +215,9 @@ class _Request:
 class DeltaKVCacheManager(CacheManager):
     method_name = "deltakv"
     config_cls = DeltaKVConfig
-    capabilities = Capabilities(prefix_cache=False)
+    # Not under tensor parallelism: the compressor maps all KV heads of a token together ([K; V] of
+    # every head -> one latent), so a rank owning some heads cannot compress its part alone.
+    capabilities = Capabilities(prefix_cache=False, tensor_parallel=False)
 
     def __init__(self, config: EngineConfig, num_layers: int, num_kv_heads: int, head_dim: int,
                  num_pages: int, dtype: torch.dtype, device: torch.device):

@@ -35,7 +35,8 @@ import numpy as np
 import torch
 
 from sparsevllm.config import EngineConfig, MethodConfig
-from sparsevllm.engine.cache_manager.base import CacheManager
+from sparsevllm.distributed import combine_shared_scores
+from sparsevllm.engine.cache_manager.base import CacheManager, Capabilities
 from sparsevllm.engine.sequence import Sequence
 from sparsevllm.engine.staging import to_device
 from sparsevllm.engine.step import DecodeView, StepState
@@ -101,6 +102,9 @@ class OmniKVConfig(MethodConfig):
 
 class OmniKVCacheManager(CacheManager):
     method_name = "omnikv"
+    # The filter layer's token scores (max over heads) are combined with a max all-reduce across
+    # ranks before top-k, so every rank attends the same tokens.
+    capabilities = Capabilities(tensor_parallel=True)
     config_cls = OmniKVConfig
 
     def __init__(self, config: EngineConfig, num_layers: int, num_kv_heads: int, head_dim: int,
@@ -175,6 +179,7 @@ class OmniKVCacheManager(CacheManager):
         if isinstance(selection, torch.Tensor):
             if selection.dim() == 3:    # the filter attention's per-group maxima: [B, H_kv, T] -> [B, T]
                 selection = selection.amax(dim=1)
+            selection = combine_shared_scores(selection)   # the max over every rank's heads
             selection = select_tokens(selection, step.extras["omnikv_keep"], step.block_tables, step.cache_lens,
                                       step.extras["omnikv_prompt_lens"], self.page_size)
             controller.put(f"omnikv.{source}", selection)

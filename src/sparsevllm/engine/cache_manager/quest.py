@@ -32,7 +32,8 @@ import numpy as np
 import torch
 
 from sparsevllm.config import EngineConfig, MethodConfig
-from sparsevllm.engine.cache_manager.base import CacheManager
+from sparsevllm.distributed import combine_shared_scores
+from sparsevllm.engine.cache_manager.base import CacheManager, Capabilities
 from sparsevllm.engine.sequence import Sequence
 from sparsevllm.engine.staging import to_device
 from sparsevllm.engine.step import DecodeView, StepState
@@ -74,6 +75,9 @@ class QuestConfig(MethodConfig):
 
 class QuestCacheManager(CacheManager):
     method_name = "quest"
+    # kv_head / query_head selections are per head, local to a rank; `shared` sums its bounds over
+    # every rank's heads (one all-reduce per sparse layer) so all ranks pick the same pages.
+    capabilities = Capabilities(tensor_parallel=True)
     config_cls = QuestConfig
 
     def __init__(self, config: EngineConfig, num_layers: int, num_kv_heads: int, head_dim: int,
@@ -154,6 +158,8 @@ class QuestCacheManager(CacheManager):
         i = layer_id - self.skip_layers
         scores = quest_scores(q, self.kmin[i], self.kmax[i], step.block_tables, step.cache_lens,
                               self.page_size, self.selection)
+        if self.selection == "shared":
+            scores = combine_shared_scores(scores, op="sum")   # the sum over every rank's heads (-inf stays -inf)
         table, lengths = select_pages(scores, step.block_tables, step.cache_lens, self.page_size,
                                       self.budget_pages)
         k_cache, v_cache = self.pool.layer(layer_id)

@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 import torch
 
 from sparsevllm.config import EngineConfig, MethodConfig
-from sparsevllm.engine.cache_manager.base import CacheManager
+from sparsevllm.engine.cache_manager.base import CacheManager, Capabilities
 from sparsevllm.engine.sequence import Sequence
 from sparsevllm.engine.staging import to_device
 from sparsevllm.engine.step import StepState
@@ -100,6 +100,9 @@ class _Compaction:
 
 class SnapKVCacheManager(CacheManager):
     method_name = "snapkv"
+    # Kept tokens are chosen per KV head, locally; which pages are freed and allocated depends only
+    # on page counts and refcounts, which every rank replays identically (see tensor_parallel.py).
+    capabilities = Capabilities(tensor_parallel=True)
     config_cls = SnapKVConfig
 
     def __init__(self, config: EngineConfig, num_layers: int, num_kv_heads: int, head_dim: int,

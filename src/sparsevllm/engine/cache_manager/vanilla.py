@@ -1,7 +1,9 @@
 """vanilla: dense attention over the whole cache — the correctness and speed baseline."""
-from sparsevllm.engine.cache_manager.base import CacheManager
+from sparsevllm.engine.cache_manager.base import CacheManager, Capabilities
 
 
 class VanillaCacheManager(CacheManager):
     """Every hook keeps CacheManager's dense default."""
     method_name = "vanilla"
+    # KV heads split across ranks; nothing is shared across heads.
+    capabilities = Capabilities(tensor_parallel=True)

@@ -1,0 +1,232 @@
+"""Tensor parallelism across processes (issue #17): rank 0 drives, ranks 1..N-1 follow.
+
+Rank 0 is the user's process: it runs the scheduler, samples and owns the requests. Every other
+rank is a spawned process holding its slice of the weights and a cache manager over its KV heads
+(`Follower`). Rank 0 sends one command per step over the gloo command group (as nano-vllm sends
+its `run` call through shared memory): the scheduler's page decisions since the last step, then the
+step's requests. A follower replays the page decisions on its own cache manager, with mirrors of
+the requests' counters and tokens, so its allocator, block tables and prefix cache take the same
+decisions as rank 0's (SnapKV's compaction too, which allocates pages in `on_step_end` from the
+same state); then it builds the same step and runs the same forward, whose collectives pair with
+rank 0's. Under overlapped scheduling a decode input may still be on rank 0's device: rank 0
+broadcasts the step's input ids (one small collective) and followers read them from there.
+
+A follower that fails reports its traceback through a queue and exits; its peers' next collective
+fails, and rank 0 raises the follower's error instead of hanging (`Workers.failure`).
+"""
+import atexit
+import logging
+import os
+import queue
+import socket
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from sparsevllm import distributed as tp
+from sparsevllm.config import EngineConfig
+from sparsevllm.engine.sequence import Sequence, SequenceStatus
+
+logger = logging.getLogger(__name__)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def backend_for(device_type: str) -> str:
+    return "nccl" if device_type == "cuda" else "gloo"
+
+
+class Workers:
+    """Rank 0's handle on the follower processes."""
+
+    def __init__(self, config: EngineConfig, model_path: str, device_type: str):
+        world = config.tensor_parallel_size
+        ctx = mp.get_context("spawn")
+        self.errors = ctx.Queue()
+        port = _free_port()
+        self.procs = [ctx.Process(target=follower_main, daemon=True, name=f"sparsevllm-tp{rank}",
+                                  args=(rank, world, port, config, model_path, device_type, self.errors))
+                      for rank in range(1, world)]
+        for p in self.procs:
+            p.start()
+        self.closed = False
+        if device_type == "cuda":
+            torch.cuda.set_device(0)
+        tp.init_tensor_parallel(0, world, port, backend_for(device_type))
+        atexit.register(self.shutdown)
+
+    def send(self, command: tuple) -> None:
+        tp.broadcast_command(command)
+
+    def query(self, name: str) -> list:
+        """Ask every follower for a piece of its state (tests: allocators); a list, rank 1 first."""
+        self.send(("query", name))
+        return tp.gather_replies(None)[1:]
+
+    def failure(self, timeout: float = 5.0) -> str | None:
+        """A follower's error report, if one failed (waits up to timeout for it to arrive)."""
+        try:
+            rank, tb = self.errors.get(timeout=timeout if any(not p.is_alive() for p in self.procs) else 0.5)
+        except queue.Empty:
+            dead = [p.name for p in self.procs if not p.is_alive()]
+            return f"{', '.join(dead)} exited" if dead else None
+        return f"tensor-parallel rank {rank} failed:\n{tb}"
+
+    def shutdown(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        atexit.unregister(self.shutdown)
+        if all(p.is_alive() for p in self.procs):
+            try:
+                self.send(("exit",))
+            except Exception:   # the group is broken (a rank failed): the processes are stopped below
+                pass
+        for p in self.procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.terminate()
+                p.join(timeout=5)
+        tp.destroy_tensor_parallel()
+
+
+def _snapshot(seq: Sequence, sent: dict[int, int]) -> tuple:
+    """What a follower needs of a request: its counters and the tokens it has not seen yet."""
+    first = seq.seq_id not in sent
+    n = sent.get(seq.seq_id, 0)
+    sent[seq.seq_id] = len(seq.token_ids)
+    if seq.is_finished:
+        sent.pop(seq.seq_id)
+    return (seq.seq_id, seq.params if first else None, seq.token_ids[n:], seq.num_prompt_tokens,
+            seq.num_computed_tokens, seq.cache_len, seq.num_pending_tokens, seq.is_finished)
+
+
+class CommandedCacheManager:
+    """Rank 0's cache manager as the scheduler and the engine see it: the calls that change page
+    state are applied here and recorded for the followers, which replay them before the next step."""
+
+    def __init__(self, cache_manager, workers: Workers):
+        self._cm, self._workers = cache_manager, workers
+        self._ops: list[tuple] = []
+        self._sent: dict[int, int] = {}
+
+    def __getattr__(self, name):
+        return getattr(self._cm, name)
+
+    def _record(self, op: str, seq: Sequence, *args):
+        self._ops.append((op, _snapshot(seq, self._sent), args))
+
+    def allocate(self, seq):
+        self._record("allocate", seq)
+        return self._cm.allocate(seq)
+
+    def reserve(self, seq, num_new_tokens):
+        self._record("reserve", seq, num_new_tokens)
+        return self._cm.reserve(seq, num_new_tokens)
+
+    def free(self, seq):
+        self._record("free", seq)
+        return self._cm.free(seq)
+
+    def commit(self, seq, num_new_tokens):
+        self._record("commit", seq, num_new_tokens)
+        return self._cm.commit(seq, num_new_tokens)
+
+    def _flush(self) -> list[tuple]:
+        ops, self._ops = self._ops, []
+        return ops
+
+    def prepare_step(self, seqs, num_tokens, is_prefill, feed_rows=None):
+        snaps = [_snapshot(s, self._sent) for s in seqs]
+        self._workers.send(("step", self._flush(), snaps, list(num_tokens), is_prefill, feed_rows is not None))
+        return self._cm.prepare_step(seqs, num_tokens, is_prefill, feed_rows)
+
+    def sync(self) -> None:
+        """Send the page decisions not yet sent (requests freed after the last step)."""
+        self._workers.send(("ops", self._flush()))
+
+
+class Follower:
+    """A rank > 0: mirrors of the requests, the rank's model runner, and the command loop."""
+
+    def __init__(self, runner):
+        self.runner, self.cm = runner, runner.cache_manager
+        self.seqs: dict[int, Sequence] = {}
+
+    def _mirror(self, snap: tuple) -> Sequence:
+        seq_id, params, new_tokens, num_prompt, computed, cache_len, pending, finished = snap
+        seq = self.seqs.get(seq_id)
+        if seq is None:
+            seq = self.seqs[seq_id] = Sequence(new_tokens, params)
+            seq.seq_id = seq_id
+        else:
+            seq.token_ids.extend(new_tokens)
+        seq.num_prompt_tokens, seq.num_computed_tokens, seq.cache_len = num_prompt, computed, cache_len
+        seq.num_pending_tokens = pending
+        seq.status = SequenceStatus.FINISHED if finished else SequenceStatus.RUNNING
+        return seq
+
+    def _replay(self, ops: list[tuple]) -> None:
+        for op, snap, args in ops:
+            seq = self._mirror(snap)
+            getattr(self.cm, op)(seq, *args)
+            if seq.is_finished:
+                self.seqs.pop(seq.seq_id, None)
+
+    def _step(self, ops, snaps, num_tokens, is_prefill, fed) -> None:
+        self._replay(ops)
+        seqs = [self._mirror(s) for s in snaps]
+        step = self.cm.prepare_step(seqs, num_tokens, is_prefill)
+        if fed:
+            dist.broadcast(step.input_ids, src=0)
+        self.runner.forward(step)
+        self.cm.on_step_end(step)
+
+    def query_allocator(self) -> dict:
+        a = self.cm.allocator
+        return {"idle": a.is_idle(), "num_free": a.num_free, "num_pages": a.num_pages,
+                "tables": len(self.cm.tables.tables), "mirrors": len(self.seqs)}
+
+    def query_accounting(self) -> dict:
+        return self.cm.memory_accounting()
+
+    def loop(self) -> None:
+        while True:
+            command = tp.broadcast_command()
+            kind, args = command[0], command[1:]
+            if kind == "exit":
+                return
+            if kind == "step":
+                self._step(*args)
+            elif kind == "ops":
+                self._replay(*args)
+            elif kind == "query":
+                tp.gather_replies(getattr(self, f"query_{args[0]}")())
+            else:
+                raise RuntimeError(f"unknown tensor-parallel command {kind!r}")
+
+
+def follower_main(rank: int, world: int, port: int, config: EngineConfig, model_path: str, device_type: str,
+                  errors) -> None:
+    try:
+        from sparsevllm.engine.model_runner import ModelRunner
+        from sparsevllm.method_registry import get_method
+        from sparsevllm.models.config import ModelConfig, read_config_json
+        if device_type == "cuda":
+            torch.cuda.set_device(rank)
+        tp.init_tensor_parallel(rank, world, port, backend_for(device_type))
+        model_cfg = ModelConfig.from_dict(read_config_json(model_path))
+        runner = ModelRunner(config, model_path, model_cfg, get_method(config.vllm_sparse_method))
+        Follower(runner).loop()
+    except BaseException:
+        errors.put((rank, traceback.format_exc()))
+        errors.close()
+        errors.join_thread()
+        os._exit(1)   # closes this rank's sockets: the peers' pending collectives fail instead of waiting
+    tp.destroy_tensor_parallel()

@@ -1,0 +1,137 @@
+"""LLM(tensor_parallel_size=2) on a CPU (gloo, 2 ranks): the same tokens as one rank, greedy in fp32,
+for vanilla and every method that declares tensor parallelism, on Llama, Qwen2 and Qwen3; every
+rank's allocator back to its initial state; bad input and a failing rank raise clear errors."""
+import pytest
+import torch
+
+from sparsevllm import LLM, SamplingParams
+from sparsevllm.method_registry import METHODS
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+SHARED = list(range(3, 43))   # a prefix two prompts share: a prefix-cache hit on every rank
+PROMPTS = [SHARED + list(range(100, 150)), list(range(60, 131)), SHARED + [9] * 30, [5, 6, 7, 8] * 6]
+
+# Small budgets, so that every method really selects (or evicts) on prompts of ~70 tokens.
+CASES = {
+    "vanilla": dict(vllm_sparse_method="vanilla"),
+    "quest": dict(vllm_sparse_method="quest", page_size=4, quest_token_budget=16, quest_skip_layers=1),
+    "quest_shared": dict(vllm_sparse_method="quest", page_size=4, quest_token_budget=16, quest_skip_layers=1,
+                         quest_selection="shared"),
+    "omnikv": dict(vllm_sparse_method="omnikv", omnikv_filter_layers=[0], omnikv_wait_layers=0,
+                   omnikv_num_selected=12),
+    "snapkv": dict(vllm_sparse_method="snapkv", page_size=4, snapkv_capacity=24, snapkv_window_size=8),
+}
+
+
+def _run(path, prompts=PROMPTS, **knobs):
+    llm = LLM(path, num_kv_pages=knobs.pop("num_kv_pages", 256), max_num_batched_tokens=96,
+              chunk_prefill_size=64, **knobs)
+    try:
+        outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+        followers = llm.engine.workers.query("allocator") if llm.engine.workers else []
+        if llm.engine.workers:   # eviction (SnapKV) happened alike on every rank
+            for acc in llm.engine.workers.query("accounting"):
+                for key in ("compactions", "evicted_tokens_total", "kv_peak_used_bytes"):
+                    assert acc.get(key) == llm.memory_accounting().get(key), key
+        return outs, followers, llm.engine.scheduler.num_preemptions
+    finally:
+        llm.shutdown()
+
+
+def _tokens(outs):
+    return [o.outputs[0].token_ids if not o.error else o.error for o in outs]
+
+
+def test_every_method_declares_tensor_parallel():
+    assert {name for name, cls in METHODS.items() if cls.capabilities.tensor_parallel} == \
+        {c["vllm_sparse_method"] for c in CASES.values()}
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_tp2_equals_tp1_token_for_token(tiny_model, arch, case):
+    path = tiny_model(arch)
+    ref, _, _ = _run(path, **CASES[case])
+    outs, followers, _ = _run(path, tensor_parallel_size=2, **CASES[case])
+    assert _tokens(outs) == _tokens(ref)
+    assert all(len(o.outputs[0].token_ids) == GREEDY.max_tokens for o in outs)
+    assert followers == [{"idle": True, "num_free": 256, "num_pages": 256, "tables": 0, "mirrors": 0}]
+
+
+def test_tp2_under_preemption_and_overlapped_scheduling(tiny_model):
+    """A pool too small for every request at once: requests are preempted and recomputed, and the
+    followers' allocators follow rank 0's decisions through it; with overlapped scheduling the
+    decode inputs reach the followers from rank 0's device."""
+    path = tiny_model("llama")
+    ref, _, _ = _run(path, num_kv_pages=14)
+    outs, followers, preemptions = _run(path, tensor_parallel_size=2, num_kv_pages=14, async_scheduling=True)
+    assert preemptions > 0
+    assert _tokens(outs) == _tokens(ref)
+    assert followers[0]["idle"] and followers[0]["num_free"] == 14
+
+
+def test_tp2_tied_embeddings_prompt_logprobs_and_samples(tiny_model):
+    """A tied LM head (the embedding's vocab slice), prompt log-probabilities (the same logits rows
+    on every rank) and n = 2 samples sharing the prompt's pages through the prefix cache."""
+    path = tiny_model("llama_tied")
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, n=2, prompt_logprobs=1, logprobs=1)
+    outs = []
+    for tp in (1, 2):
+        llm = LLM(path, num_kv_pages=128, tensor_parallel_size=tp)
+        try:
+            outs.append(llm.generate(PROMPTS[:2], params, use_tqdm=False))
+            if tp == 2:
+                assert llm.engine.workers.query("allocator")[0]["idle"]
+        finally:
+            llm.shutdown()
+    ref, got = outs
+    for r, g in zip(ref, got):
+        assert [c.token_ids for c in g.outputs] == [c.token_ids for c in r.outputs]
+        assert len(g.outputs) == 2 and g.outputs[0].token_ids == g.outputs[1].token_ids
+        lp_r = [next(iter(d.values())).logprob for d in r.prompt_logprobs[1:]]
+        lp_g = [next(iter(d.values())).logprob for d in g.prompt_logprobs[1:]]
+        assert lp_g == pytest.approx(lp_r, abs=1e-4)
+
+
+def test_bad_request_fails_alone_under_tp(tiny_model):
+    path = tiny_model("llama")
+    prompts = [PROMPTS[0], [1, 2, 10_000], PROMPTS[1]]
+    ref, _, _ = _run(path, prompts=prompts)
+    outs, followers, _ = _run(path, prompts=prompts, tensor_parallel_size=2)
+    assert not outs[0].error and not outs[2].error
+    assert "token ids must be in [0, 256)" in outs[1].error
+    assert _tokens(outs) == _tokens(ref)
+    assert followers[0]["idle"]
+
+
+def test_kv_heads_not_divisible_is_a_clear_error(tiny_model):
+    path = tiny_model("llama", num_attention_heads=3, num_key_value_heads=3, hidden_size=48)
+    with pytest.raises(ValueError, match="tensor_parallel_size=2 must divide the model's KV heads"):
+        LLM(path, tensor_parallel_size=2)
+
+
+def test_method_without_tensor_parallel_is_a_clear_error(tiny_model):
+    with pytest.raises(ValueError, match="'deltakv' does not support tensor_parallel_size=2"):
+        LLM(tiny_model("llama"), vllm_sparse_method="deltakv", load_format="dummy", tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="tensor_parallel_size=0 is invalid"):
+        LLM(tiny_model("llama"), tensor_parallel_size=0)
+
+
+def test_failing_rank_raises_on_rank_0_instead_of_hanging(tiny_model):
+    llm = LLM(tiny_model("llama"), tensor_parallel_size=2, num_kv_pages=64)
+    llm.engine.workers.send(("no_such_command",))   # rank 1 fails on it and exits
+    with pytest.raises(RuntimeError, match="tensor-parallel rank 1 failed"):
+        llm.generate([PROMPTS[0]], GREEDY, use_tqdm=False)
+    llm.shutdown()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.parametrize("case", ["vanilla", "quest", "quest_shared", "omnikv", "snapkv"])
+def test_tp2_equals_tp1_on_two_gpus(tiny_model, case):
+    """NCCL, CUDA graphs with the all-reduces captured; fp32 so greedy tokens are comparable."""
+    path = tiny_model("llama")
+    ref, _, _ = _run(path, dtype="float32", **CASES[case])
+    outs, followers, _ = _run(path, dtype="float32", tensor_parallel_size=2, **CASES[case])
+    assert _tokens(outs) == _tokens(ref)
+    assert followers[0]["idle"]
