@@ -6,6 +6,7 @@ is a plain row copy. On a GPU machine the memory is pinned: DMA copies need it, 
 reads and writes it directly through its pointer (unified virtual addressing). Any method that
 offloads KV can own one (HiSparse keeps every page here; OmniKV's offload option could too).
 """
+import weakref
 from collections import deque
 
 import torch
@@ -33,13 +34,33 @@ def check_host_memory(knob: str, gib: float) -> None:
                          f"({avail / GiB:.1f} GiB MemAvailable); valid: a positive number below that")
 
 
+def pin_in_place(t: torch.Tensor) -> None:
+    """Page-lock t's memory and map it for the GPU. torch's pin_memory allocator rounds a request up
+    to a power of two (a 100 GiB pool would take 128); registering an ordinary allocation takes
+    exactly its size. Mapped + portable: every device reads it through the same pointer."""
+    cudart = torch.cuda.cudart()
+    err = cudart.cudaHostRegister(t.data_ptr(), t.nbytes, 3)   # cudaHostRegisterPortable | Mapped
+    if int(err) != 0:
+        raise RuntimeError(f"cudaHostRegister of {t.nbytes / GiB:.1f} GiB failed ({err}); lower the host pool size")
+
+
+def unpin(ptrs: list[int]) -> None:
+    for ptr in ptrs:
+        torch.cuda.cudart().cudaHostUnregister(ptr)
+
+
 class HostPool:
     def __init__(self, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, pin: bool):
         self.num_pages, self.page_size = num_pages, page_size
         shape = (num_layers, num_pages * page_size, num_kv_heads, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, pin_memory=pin)
-        self.v = torch.zeros(shape, dtype=dtype, pin_memory=pin)
+        self.k = torch.zeros(shape, dtype=dtype)
+        self.v = torch.zeros(shape, dtype=dtype)
+        if pin:
+            for t in (self.k, self.v):
+                pin_in_place(t)
+            # Unregister when the pool dies, before its tensors free the memory.
+            weakref.finalize(self, unpin, [self.k.data_ptr(), self.v.data_ptr()])
         self.free_pages: deque[int] = deque(range(num_pages))
 
     @staticmethod

@@ -66,6 +66,12 @@ class CacheManager:
         return KVPool.bytes_per_page(num_layers, config.page_size, num_kv_heads, head_dim, dtype)
 
     @classmethod
+    def fixed_device_bytes(cls, config: EngineConfig, num_layers, num_kv_heads, head_dim, dtype) -> int:
+        """Device bytes the method allocates whatever the pool size (HiSparse's page bounds for its
+        whole host pool); taken off the memory budget before the pool is sized. Dense: none."""
+        return 0
+
+    @classmethod
     def validate_model(cls, config: EngineConfig, model_config: ModelConfig) -> None:
         """Check the method's knobs against the model's shape (layer ids, head counts), after its
         config.json is read and before any weight loads; raise ValueError naming the knob. Dense:

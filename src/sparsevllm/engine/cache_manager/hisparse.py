@@ -96,9 +96,9 @@ class HiSparseCacheManager(CacheManager):
         self.view_pages = knobs.view_pages(P)
         self.recent_pages = knobs.hisparse_recent_pages
         self.device_pages = knobs.device_pages(P)
-        page_bytes = HostPool.bytes_per_page(num_layers, P, num_kv_heads, head_dim, dtype)
-        host_pages = int(knobs.hisparse_host_memory_gb * GiB) // page_bytes
+        host_pages = self._host_pages(config, num_layers, num_kv_heads, head_dim, dtype)
         if host_pages < 1:
+            page_bytes = HostPool.bytes_per_page(num_layers, P, num_kv_heads, head_dim, dtype)
             raise ValueError(f"hisparse_host_memory_gb={knobs.hisparse_host_memory_gb} holds no page of "
                              f"{page_bytes} bytes; valid: at least {page_bytes / GiB:.6f}")
         self.host = HostPool(num_layers, host_pages, P, num_kv_heads, head_dim, dtype, pin=device.type == "cuda")
@@ -115,7 +115,10 @@ class HiSparseCacheManager(CacheManager):
         # padding): its host table, and per layer the LRU entries' host page (-1 empty) and last use.
         R, E = config.max_num_seqs + 1, self.device_pages - 1
         self.dummy_row = R - 1
-        self.host_tables = torch.full((R, self.tables.max_pages), self.trash, dtype=torch.int32, device=device)
+        # As wide as the longest request, as Quest's graph-width tables: the selection kernel holds a
+        # row in registers, so one page more would double its block.
+        width = self.pages_for(config.max_model_len)
+        self.host_tables = torch.full((R, width), self.trash, dtype=torch.int32, device=device)
         self.offloaded = torch.zeros(R, dtype=torch.bool, device=device)
         self.buf_key = torch.full((num_layers, R, E), -1, dtype=torch.int32, device=device)
         self.buf_last = torch.full((num_layers, R, E), -1, dtype=torch.int32, device=device)
@@ -136,6 +139,17 @@ class HiSparseCacheManager(CacheManager):
     def bytes_per_page(cls, config: EngineConfig, num_layers, num_kv_heads, head_dim, dtype) -> int:
         scratch = 2 * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
         return super().bytes_per_page(config, num_layers, num_kv_heads, head_dim, dtype) + scratch
+
+    @classmethod
+    def _host_pages(cls, config: EngineConfig, num_layers, num_kv_heads, head_dim, dtype) -> int:
+        page_bytes = HostPool.bytes_per_page(num_layers, config.page_size, num_kv_heads, head_dim, dtype)
+        return int(config.method_config.hisparse_host_memory_gb * GiB) // page_bytes
+
+    @classmethod
+    def fixed_device_bytes(cls, config: EngineConfig, num_layers, num_kv_heads, head_dim, dtype) -> int:
+        """The page bounds of every host page (plus the trash page), min and max."""
+        host_pages = cls._host_pages(config, num_layers, num_kv_heads, head_dim, dtype)
+        return 2 * num_layers * (host_pages + 1) * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
     @classmethod
     def _sparse(cls, config: EngineConfig, prompt_len: int, total_len: int) -> bool:
