@@ -218,6 +218,22 @@ def test_hisparse_request_that_never_fits_the_host_fails_alone(tiny_model):
     assert_idle(cm)
 
 
+def test_hisparse_overlapped_scheduling_equals_synchronous(tiny_model):
+    """Overlap learns sampled tokens a step late: the buffer hand-over after prefill and the current
+    page's moves must not depend on them. Requests end at different steps (a stop token, lengths)."""
+    path = tiny_model("llama", max_position_embeddings=2048)
+    ps = prompts([260, 150, 40, 300], seed=13)
+    free = token_ids(hisparse(path).generate(ps, GREEDY, use_tqdm=False))
+    params = [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, stop_token_ids=[free[0][6]]),
+              SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True), GREEDY,
+              SamplingParams(temperature=0.0, max_tokens=17, ignore_eos=True)]
+    want = token_ids(hisparse(path, async_scheduling=False).generate(ps, params, use_tqdm=False))
+    llm = hisparse(path, async_scheduling=True)
+    assert token_ids(llm.generate(ps, params, use_tqdm=False)) == want
+    assert len(want[0]) == 7 and len(want[1]) == 9
+    assert_idle(llm.engine.cache_manager)
+
+
 @pytest.mark.parametrize("knob,value", [("hisparse_token_budget", 2), ("hisparse_token_budget", "big"),
                                         ("hisparse_recent_pages", -1), ("hisparse_device_pages", 3),
                                         ("hisparse_min_prompt_len", 0), ("hisparse_host_memory_gb", 0),
@@ -335,6 +351,7 @@ def test_gpu_hisparse_graph_replay_equals_eager_and_quest(tiny_model):
                  **{**KNOBS, "hisparse_recent_pages": 0, "hisparse_device_pages": 6})
     eager = LLM(path, enforce_eager=True, **knobs)
     graph = LLM(path, **knobs)
+    sync = LLM(path, async_scheduling=False, **knobs)
     quest = LLM(path, vllm_sparse_method="quest", device="cuda", dtype="float32", max_num_seqs=8, page_size=P,
                 quest_token_budget=5 * P, quest_skip_layers=0, quest_selection="shared", enforce_eager=True,
                 enable_prefix_caching=False)
@@ -342,6 +359,7 @@ def test_gpu_hisparse_graph_replay_equals_eager_and_quest(tiny_model):
     for n in (1, 3, 8):
         ps = prompts([100 + 37 * i for i in range(n)], seed=n)
         want = token_ids(eager.generate(ps, GREEDY, use_tqdm=False))
+        assert token_ids(sync.generate(ps, GREEDY, use_tqdm=False)) == want
         assert token_ids(graph.generate(ps, GREEDY, use_tqdm=False)) == want
         assert token_ids(quest.generate(ps, GREEDY, use_tqdm=False)) == want
     acc = graph.engine.cache_manager.memory_accounting()
