@@ -254,15 +254,15 @@ def test_hisparse_roofline_counts_view_and_bounds():
 # ---------------------------------------------------------------- kernels vs references
 
 def swap_case(g, B, E, n, device):
-    R = B + 2
+    R, pages = B + 2, max(40, 2 * E)
     key = torch.full((R, E), -1, dtype=torch.int32)
     last = torch.full((R, E), -1, dtype=torch.int32)
     for r in range(R):
         filled = int(torch.randint(0, E + 1, (1,), generator=g))
-        key[r, :filled] = torch.randperm(40, generator=g)[:filled].int()
+        key[r, :filled] = torch.randperm(pages, generator=g)[:filled].int()
         last[r, :filled] = torch.randint(0, 5, (filled,), generator=g).int()   # ties on purpose
     phys = torch.randperm(R * E, generator=g).int().view(R, E)
-    want = torch.stack([torch.randperm(40, generator=g)[:n] for _ in range(B)]).int()
+    want = torch.stack([torch.randperm(pages, generator=g)[:n] for _ in range(B)]).int()
     lengths = torch.randint(1, n * P + 1, (B,), generator=g).int()
     rows = torch.randperm(R, generator=g)[:B].long()
     active = torch.rand(B, generator=g) < 0.8
@@ -272,7 +272,7 @@ def swap_case(g, B, E, n, device):
     return [to(t) for t in (want, lengths, rows, active, current, clock)], [to(t) for t in (key, last, phys)]
 
 
-@pytest.mark.parametrize("B,E,n", [(1, 6, 5), (4, 12, 7), (3, 33, 20)])
+@pytest.mark.parametrize("B,E,n", [(1, 6, 5), (4, 12, 7), (3, 33, 20), (2, 260, 133)])
 def test_swap_plan_triton_and_reference_match_the_oracle(B, E, n):
     g = torch.Generator().manual_seed(B * 100 + E)
     args, buf = swap_case(g, B, E, n, "cpu")

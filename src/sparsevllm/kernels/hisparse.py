@@ -20,6 +20,8 @@ import torch
 
 from sparsevllm.kernels.common import jit, pow2, tl, use_triton
 
+SWAP_CHUNK = 16   # wanted pages matched at once: a [16, E] tile (E ~ 256-512 entries) stays in registers
+
 # ---------------------------------------------------------------- host store
 
 
@@ -114,9 +116,11 @@ def swap_plan_ref(want: torch.Tensor, lengths: torch.Tensor, rows: torch.Tensor,
 @jit
 def _swap_plan_kernel(want_ptr, len_ptr, row_ptr, act_ptr, cur_ptr, clock_ptr, key_ptr, last_ptr, phys_ptr,
                       table_ptr, src_ptr, stride_w, stride_t, stride_s, stride_r, E,
-                      N: tl.constexpr, P: tl.constexpr, BLOCK_E: tl.constexpr):
-    # One program per request; a view has tens to hundreds of pages, so a loop over them with the
-    # buffer's entries in registers is one short kernel instead of a sort and several scatters.
+                      N: tl.constexpr, P: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_J: tl.constexpr):
+    # One program per request, the buffer's entries in registers. Pass 1 matches the view against
+    # the buffer a chunk of BLOCK_J wanted pages at a time (hits, the current page, which entries
+    # are held); pass 2 gives each miss, in view order, the least recently used free entry, one at
+    # a time but only inside chunks that have misses (in steady state most chunks have none).
     b = tl.program_id(0)
     if tl.load(act_ptr + b) == 0:
         return
@@ -126,33 +130,44 @@ def _swap_plan_kernel(want_ptr, len_ptr, row_ptr, act_ptr, cur_ptr, clock_ptr, k
     cur = tl.load(cur_ptr + b)
     idx = tl.arange(0, BLOCK_E)
     in_buf = idx < E
-    keys0 = tl.load(key_ptr + row * stride_r + idx, mask=in_buf, other=-1)
+    keys = tl.load(key_ptr + row * stride_r + idx, mask=in_buf, other=-1)
     last = tl.load(last_ptr + row * stride_r + idx, mask=in_buf, other=0)
     phys = tl.load(phys_ptr + row * stride_r + idx, mask=in_buf, other=0)
+    lanes = tl.arange(0, BLOCK_J)
     held = idx < 0
-    for j in range(N):   # first pass: the entries some wanted page holds are not evictable
-        w = tl.load(want_ptr + b * stride_w + j)
-        held = held | ((keys0 == w) & (j < nv - 1))
-    keys = keys0
+    for j0 in range(0, N, BLOCK_J):
+        js = j0 + lanes
+        w = tl.load(want_ptr + b * stride_w + js, mask=js < N, other=-2)
+        valid = js < nv - 1
+        m = (keys[None, :] == w[:, None]) & valid[:, None]                      # [BLOCK_J, BLOCK_E]
+        held = held | (tl.max(m.to(tl.int32), 0) > 0)
+        hit = tl.max(m.to(tl.int32), 1) > 0
+        out = tl.where(hit, tl.sum(tl.where(m, phys[None, :], 0), 1), tl.where(js == nv - 1, cur, 0))
+        tl.store(table_ptr + b * stride_t + js, out, mask=js < N)
+        tl.store(src_ptr + b * stride_s + js, tl.where(valid & (hit == 0), w, -1), mask=js < N)
+    last = tl.where(held, now, last)
     taken = held | (idx >= E)
-    for j in range(N):
-        w = tl.load(want_ptr + b * stride_w + j)
-        valid = j < nv - 1
-        m = (keys0 == w) & valid
-        is_hit = tl.sum(m.to(tl.int32), 0) > 0
-        hit_phys = tl.sum(tl.where(m, phys, 0), 0)
-        need = valid & (is_hit == 0)
-        # LRU first, then entry order; int64 so the clock never overflows the packed rank
-        rank = tl.where(taken, tl.full([BLOCK_E], 1 << 62, tl.int64), (last + 1).to(tl.int64) * BLOCK_E + idx)
-        v = (tl.min(rank, 0) % BLOCK_E).to(tl.int32)
-        pick = (idx == v) & need
-        vphys = tl.sum(tl.where(idx == v, phys, 0), 0)
-        keys = tl.where(pick, w, keys)
-        last = tl.where(pick | m, now, last)
-        taken = taken | pick
-        out = tl.where(is_hit, hit_phys, tl.where(need, vphys, tl.where(j == nv - 1, cur, 0)))
-        tl.store(table_ptr + b * stride_t + j, out)
-        tl.store(src_ptr + b * stride_s + j, tl.where(need, w, -1))
+    keys0 = keys
+    for j0 in range(0, N, BLOCK_J):
+        js = j0 + lanes
+        w = tl.load(want_ptr + b * stride_w + js, mask=js < N, other=-2)
+        valid = js < nv - 1
+        hit = tl.max(((keys0[None, :] == w[:, None]) & valid[:, None]).to(tl.int32), 1) > 0
+        miss = valid & (hit == 0)
+        if tl.sum(miss.to(tl.int32), 0) > 0:
+            for jj in range(BLOCK_J):
+                here = lanes == jj
+                need = tl.sum((here & miss).to(tl.int32), 0) > 0
+                wj = tl.sum(tl.where(here, w, 0), 0)
+                # LRU first, then entry order; int64 so the clock never overflows the packed rank
+                rank = tl.where(taken, tl.full([BLOCK_E], 1 << 62, tl.int64),
+                                (last + 1).to(tl.int64) * BLOCK_E + idx)
+                v = (tl.min(rank, 0) % BLOCK_E).to(tl.int32)
+                pick = (idx == v) & need
+                keys = tl.where(pick, wj, keys)
+                last = tl.where(pick, now, last)
+                taken = taken | pick
+                tl.store(table_ptr + b * stride_t + j0 + jj, tl.sum(tl.where(idx == v, phys, 0), 0), mask=need)
     tl.store(key_ptr + row * stride_r + idx, keys, mask=in_buf)
     tl.store(last_ptr + row * stride_r + idx, last, mask=in_buf)
 
@@ -168,7 +183,7 @@ def swap_plan_triton(want, lengths, rows, active, current, clock, buf_key, buf_l
     _swap_plan_kernel[(B,)](want, lengths.to(torch.int32), rows, active.to(torch.int32), current.to(torch.int32),
                             clock.to(torch.int32), buf_key, buf_last, buf_phys, table, src,
                             want.stride(0), table.stride(0), src.stride(0), buf_key.stride(0), E,
-                            N=n, P=int(page_size), BLOCK_E=pow2(E))
+                            N=n, P=int(page_size), BLOCK_E=pow2(E), BLOCK_J=SWAP_CHUNK)
     return table, src
 
 
