@@ -251,6 +251,26 @@ def test_hisparse_roofline_counts_view_and_bounds():
     assert cls.kv_tokens_held(cfg, 64000, 256) == (2 * 128 + 4 + 1) * 16
 
 
+@pytest.mark.skipif(CUDA, reason="interpreter tests run on CPU-only machines")
+def test_engine_with_the_triton_kernels_equals_the_references(tiny_model, monkeypatch):
+    """Prefill and decode with every Triton kernel HiSparse calls (interpreted on the CPU; host
+    memory is CPU memory there) give the tokens the torch references give: the GPU wiring, short
+    of graphs and pinned memory."""
+    from sparsevllm.kernels import quest as qk
+    path = tiny_model("llama", max_position_embeddings=2048)
+    ps = prompts([200, 90], seed=17)
+    sp = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    want = token_ids(hisparse(path).generate(ps, sp, use_tqdm=False))
+    for name, fn in [("swap_plan", hk.swap_plan_triton), ("copy_pages", hk.copy_pages_triton),
+                     ("host_store", hk.host_store_triton), ("page_minmax", qk.page_minmax_triton),
+                     ("quest_scores", qk.quest_scores_triton), ("select_pages", qk.select_pages_triton)]:
+        monkeypatch.setattr(hs, name, fn)
+    llm = hisparse(path)
+    assert token_ids(llm.generate(ps, sp, use_tqdm=False)) == want
+    assert llm.engine.cache_manager.swap_stats[1] > 0
+    assert_idle(llm.engine.cache_manager)
+
+
 # ---------------------------------------------------------------- kernels vs references
 
 def swap_case(g, B, E, n, device):

@@ -129,6 +129,10 @@ class HiSparseCacheManager(CacheManager):
         self.hot_of: dict[int, list[int]] = {}     # E LRU pages, then the current page
         self.decoding: set[int] = set()            # offloaded requests past their prefill
         self.swap_stats = torch.zeros(2, dtype=torch.int64, device=device)   # wanted pages, misses
+        # memory_accounting reads a pinned copy refreshed after each step: the benchmark samples it
+        # every step, and reading the device counters would synchronise (a step stale is fine).
+        self.swap_stats_host = self.swap_stats if device.type != "cuda" else torch.zeros(2, dtype=torch.int64,
+                                                                                         pin_memory=True)
         self.clock = 0
         self.decode_steps = 0
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
@@ -266,7 +270,7 @@ class HiSparseCacheManager(CacheManager):
 
     def memory_accounting(self) -> dict:
         acc = super().memory_accounting()
-        wanted, misses = self.swap_stats.tolist()
+        wanted, misses = self.swap_stats_host.tolist()
         page_bytes = self.host.nbytes // self.host.num_pages
         layer_page_bytes = page_bytes // self.num_layers
         steps = max(self.decode_steps, 1)
@@ -317,6 +321,10 @@ class HiSparseCacheManager(CacheManager):
             step.extras["hisparse_host_slots"] = to_device(host_slots, self.device)
             step.extras["hisparse_last_slots"] = to_device(np.concatenate(last_slots), self.device)
             step.extras["hisparse_last_host"] = to_device(np.concatenate(last_host), self.device)
+
+    def on_step_end(self, step: StepState) -> None:
+        if not step.is_prefill and self.swap_stats_host is not self.swap_stats:
+            self.swap_stats_host.copy_(self.swap_stats, non_blocking=True)
 
     def graph_extras(self, max_batch_size: int) -> dict[str, torch.Tensor]:
         return {"hisparse_rows": torch.full((max_batch_size,), self.dummy_row, dtype=torch.int64, device=self.device),
