@@ -48,6 +48,7 @@ def hisparse(path, **knobs):
 def assert_idle(cm):
     assert cm.allocator.is_idle() and cm.host.is_idle()
     assert sorted(cm.free_rows) == list(range(cm.dummy_row)) and not cm.row_of and not cm.decoding
+    assert not cm.prefilling
     assert (cm.buf_key == -1).all() and not cm.offloaded.any()
 
 
@@ -203,6 +204,34 @@ def test_hisparse_preemption_recomputes_and_frees(tiny_model):
     assert token_ids(tight.generate(ps, sp, use_tqdm=False)) == roomy
     assert tight.engine.scheduler.num_preemptions > 0
     assert_idle(tight.engine.cache_manager)
+
+
+def decode_batches(llm):
+    cm, sizes = llm.engine.cache_manager, []
+    prepare = cm.prepare_step
+
+    def spy(seqs, num_tokens, is_prefill, *feed):
+        if not is_prefill:
+            sizes.append(len(seqs))
+        return prepare(seqs, num_tokens, is_prefill, *feed)
+    cm.prepare_step = spy
+    return sizes
+
+
+def test_hisparse_decodes_more_long_requests_together_than_the_pool_holds(tiny_model):
+    path = tiny_model("llama", max_position_embeddings=2048)
+    ps = prompts([200] * 4, seed=19)
+    # 90 pages of 4 tokens: one 224-token request (56 pages) at a time for vanilla; HiSparse holds
+    # 10 hot pages per decoding request and the whole prompt only while it prefills.
+    vanilla = LLM(path, device="cpu", page_size=P, num_kv_pages=90, chunk_prefill_size=64)
+    v_sizes = decode_batches(vanilla)
+    vanilla.generate(ps, GREEDY, use_tqdm=False)
+    want = token_ids(hisparse(path).generate(ps, GREEDY, use_tqdm=False))
+    llm = hisparse(path, num_kv_pages=90)
+    h_sizes = decode_batches(llm)
+    assert token_ids(llm.generate(ps, GREEDY, use_tqdm=False)) == want
+    assert max(v_sizes) == 1 and max(h_sizes) >= 3
+    assert_idle(llm.engine.cache_manager)
 
 
 def test_hisparse_request_that_never_fits_the_host_fails_alone(tiny_model):

@@ -128,6 +128,7 @@ class HiSparseCacheManager(CacheManager):
         self.host_pages_of: dict[int, np.ndarray] = {}
         self.hot_of: dict[int, list[int]] = {}     # E LRU pages, then the current page
         self.decoding: set[int] = set()            # offloaded requests past their prefill
+        self.prefilling: dict[int, Sequence] = {}  # offloaded requests still prefilling
         self.swap_stats = torch.zeros(2, dtype=torch.int64, device=device)   # wanted pages, misses
         # memory_accounting reads a pinned copy refreshed after each step: the benchmark samples it
         # every step, and reading the device counters would synchronise (a step stale is fine).
@@ -199,8 +200,12 @@ class HiSparseCacheManager(CacheManager):
         if not self._wants_host(seq):
             return super().can_admit(seq)
         # Prefill holds the prompt on the device next to the hot pages; the host holds everything.
+        # Pages other offloaded prompts still need to finish prefilling are promised: admitting
+        # against them would preempt a prompt half-way, and its chunks would be computed twice.
+        promised = sum(max(0, self.pages_for(len(s) + 1) - len(self.tables[sid]))
+                       for sid, s in self.prefilling.items())
         return (bool(self.free_rows) and self.pages_for(self._total_len(seq)) <= self.host.num_free
-                and self.pages_for(len(seq) + 1) + self.device_pages <= self.allocator.num_free)
+                and self.pages_for(len(seq) + 1) + self.device_pages + promised <= self.allocator.num_free)
 
     def allocate(self, seq: Sequence) -> None:
         super().allocate(seq)
@@ -212,6 +217,7 @@ class HiSparseCacheManager(CacheManager):
         self.host_pages_of[sid] = pages
         self.host_tables[row, :len(pages)] = to_device(pages, self.device, torch.int32)
         self.hot_of[sid] = [self.allocator.allocate() for _ in range(self.device_pages)]
+        self.prefilling[sid] = seq
 
     def reserve(self, seq: Sequence, num_new_tokens: int) -> bool:
         if seq.seq_id not in self.decoding:
@@ -226,6 +232,7 @@ class HiSparseCacheManager(CacheManager):
         if sid in self.row_of:
             row = self.row_of.pop(sid)
             self.decoding.discard(sid)
+            self.prefilling.pop(sid, None)
             for page in self.hot_of.pop(sid):
                 self.allocator.release(page)
             self.host.release(self.host_pages_of.pop(sid).tolist())
@@ -266,6 +273,7 @@ class HiSparseCacheManager(CacheManager):
         for page in table:
             self.allocator.release(page)
         self.tables.replace(seq, [])
+        self.prefilling.pop(sid)
         self.decoding.add(sid)
 
     def memory_accounting(self) -> dict:
