@@ -347,6 +347,11 @@ class HiSparseCacheManager(CacheManager):
         self.kmin[layer_id].index_copy_(0, host_pages, self.scratch_min.index_select(0, dev_pages))
         self.kmax[layer_id].index_copy_(0, host_pages, self.scratch_max.index_select(0, dev_pages))
 
+    def _all_dense(self, step: StepState) -> bool:
+        """An eager decode step without offloaded requests (CUDA-graph capture has no seqs, so
+        graphs always hold the sparse path)."""
+        return bool(step.seqs) and all(s is not None and s.seq_id not in self.decoding for s in step.seqs)
+
     def on_kv_stored(self, layer_id: int, k: torch.Tensor, v: torch.Tensor, step: StepState) -> None:
         host_k, host_v = self.host.layer(layer_id)
         if step.is_prefill:
@@ -365,6 +370,8 @@ class HiSparseCacheManager(CacheManager):
                 t.record_stream(self.copy_stream)
             self.copies_pending = True
             return
+        if self._all_dense(step):
+            return
         # Decode: write the new token through to its host slot, then refresh its page's bounds.
         rows = step.extras["hisparse_rows"]
         active = self.offloaded[rows] & (step.slot_mapping >= 0)
@@ -375,13 +382,12 @@ class HiSparseCacheManager(CacheManager):
                                torch.where(active, host_page, self.trash))
 
     def build_decode_view(self, layer_id: int, q: torch.Tensor, step: StepState) -> DecodeView:
-        htab = self.host_tables[step.extras["hisparse_rows"]]
-        # Static branches: eager steps with no offloaded request, and tables too short to select from.
-        if (step.seqs and all(s is not None and s.seq_id not in self.decoding for s in step.seqs)) \
-                or htab.shape[1] <= self.view_pages:
+        # Static branches: tables too short to select from, eager steps with no offloaded request.
+        if self.host_tables.shape[1] <= self.view_pages or self._all_dense(step):
             return super().build_decode_view(layer_id, q, step)
         P, n = self.page_size, self.view_pages
         rows, lens = step.extras["hisparse_rows"], step.cache_lens
+        htab = self.host_tables[rows]
         active = self.offloaded[rows] & (step.slot_mapping >= 0)
         scores = quest_scores(q, self.kmin[layer_id], self.kmax[layer_id], htab, lens, P, "shared")
         if self.recent_pages:   # recent pages always win the top-k
