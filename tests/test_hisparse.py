@@ -32,6 +32,9 @@ def gpu(fn):
     return pytest.mark.gpu(pytest.mark.skipif(not CUDA, reason="needs CUDA")(fn))
 
 
+interp = pytest.mark.skipif(CUDA, reason="interpreter tests run on CPU-only machines")
+
+
 def prompts(lengths, seed=0):
     rng = np.random.default_rng(seed)
     return [rng.integers(3, 250, n).tolist() for n in lengths]
@@ -280,7 +283,7 @@ def test_hisparse_roofline_counts_view_and_bounds():
     assert cls.kv_tokens_held(cfg, 64000, 256) == (2 * 128 + 4 + 1) * 16
 
 
-@pytest.mark.skipif(CUDA, reason="interpreter tests run on CPU-only machines")
+@interp
 def test_engine_with_the_triton_kernels_equals_the_references(tiny_model, monkeypatch):
     """Prefill and decode with every Triton kernel HiSparse calls (interpreted on the CPU; host
     memory is CPU memory there) give the tokens the torch references give: the GPU wiring, short
@@ -323,6 +326,7 @@ def swap_case(g, B, E, n, device):
     return [to(t) for t in (want, lengths, rows, active, current, clock)], [to(t) for t in (key, last, phys)]
 
 
+@interp
 @pytest.mark.parametrize("B,E,n", [(1, 6, 5), (4, 12, 7), (3, 33, 20), (2, 260, 133)])
 def test_swap_plan_triton_and_reference_match_the_oracle(B, E, n):
     g = torch.Generator().manual_seed(B * 100 + E)
@@ -346,6 +350,7 @@ def test_swap_plan_triton_and_reference_match_the_oracle(B, E, n):
     assert torch.equal(ref_buf[0][idle], buf[0][idle]) and torch.equal(tri_buf[1][idle], buf[1][idle])
 
 
+@interp
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_host_store_and_copy_pages_triton_match_references(dtype):
     g = torch.Generator().manual_seed(0)
@@ -406,7 +411,7 @@ def test_gpu_hisparse_graph_replay_equals_eager_and_quest(tiny_model):
     sync = LLM(path, async_scheduling=False, **knobs)
     quest = LLM(path, vllm_sparse_method="quest", device="cuda", dtype="float32", max_num_seqs=8, page_size=P,
                 quest_token_budget=5 * P, quest_skip_layers=0, quest_selection="shared", enforce_eager=True,
-                enable_prefix_caching=False)
+                enable_prefix_caching=False, chunk_prefill_size=KNOBS["chunk_prefill_size"])
     assert graph.execution_mode == "cuda_graph"
     for n in (1, 3, 8):
         ps = prompts([100 + 37 * i for i in range(n)], seed=n)
