@@ -10,6 +10,7 @@ import difflib
 from sparsevllm.config import ENGINE_KNOBS, EngineConfig
 from sparsevllm.engine.cache_manager.base import CacheManager
 from sparsevllm.engine.cache_manager.deltakv import DeltaKVCacheManager
+from sparsevllm.engine.cache_manager.hisparse import HiSparseCacheManager
 from sparsevllm.engine.cache_manager.omnikv import OmniKVCacheManager
 from sparsevllm.engine.cache_manager.quest import QuestCacheManager
 from sparsevllm.engine.cache_manager.snapkv import SnapKVCacheManager
@@ -17,7 +18,7 @@ from sparsevllm.engine.cache_manager.vanilla import VanillaCacheManager
 
 METHODS: dict[str, type[CacheManager]] = {
     cls.method_name: cls for cls in (VanillaCacheManager, SnapKVCacheManager, QuestCacheManager, OmniKVCacheManager,
-                                     DeltaKVCacheManager)}
+                                     DeltaKVCacheManager, HiSparseCacheManager)}
 
 
 def available_methods() -> list[str]:

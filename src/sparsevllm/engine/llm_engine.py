@@ -183,6 +183,9 @@ class LLMEngine:
             return (f"prompt of {len(token_ids)} tokens needs more KV pages than the whole pool holds "
                     f"({self.cache_manager.num_pages} pages of {self.config.page_size}); raise num_kv_pages, "
                     "cpu_kv_cache_gb or gpu_memory_utilization")
+        method_error = self.cache_manager.request_error(len(token_ids), params.max_tokens)
+        if method_error:
+            return method_error
         if min(token_ids) < 0 or max(token_ids) >= vocab:
             return f"prompt token ids must be in [0, {vocab}) for this model"
         if params.stop and self.tokenizer is None:

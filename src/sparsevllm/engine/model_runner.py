@@ -81,7 +81,8 @@ class ModelRunner:
         used_by_others = total - free - torch.cuda.memory_reserved(self.device)
         activations = self._activation_bytes()
         budget = total * cfg.gpu_memory_utilization - used_by_others - torch.cuda.memory_allocated(self.device) \
-            - activations
+            - activations - method_cls.fixed_device_bytes(cfg, model_cfg.num_hidden_layers,
+                                                          model_cfg.num_key_value_heads, model_cfg.head_dim, self.dtype)
         pages = int(budget // page_bytes)
         if pages < 1:
             raise ValueError(f"no GPU memory left for the KV cache (gpu_memory_utilization="

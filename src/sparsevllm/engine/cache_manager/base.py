@@ -2,6 +2,7 @@
 
 Who calls what, and when (`LLMEngine.step` shows the whole lifecycle in one place):
 - the scheduler asks `chunk_size`, `can_admit`, `allocate`, `reserve` and `free`; it never reads KV;
+- the engine asks `request_error` when a request arrives (capacity a method owns, e.g. host memory);
 - the engine calls, once per step: `prepare_step` (host arrays -> StepState), the forward, then
   `on_step_end` (eviction / compaction after the forward), then `commit` for every request of the
   step (counters advance, full raw pages are named for the prefix cache);
@@ -71,6 +72,12 @@ class CacheManager:
         return KVPool.bytes_per_page(num_layers, config.page_size, num_kv_heads, head_dim, dtype)
 
     @classmethod
+    def fixed_device_bytes(cls, config: EngineConfig, num_layers, num_kv_heads, head_dim, dtype) -> int:
+        """Device bytes the method allocates whatever the pool size (HiSparse's page bounds for its
+        whole host pool); taken off the memory budget before the pool is sized. Dense: none."""
+        return 0
+
+    @classmethod
     def validate_model(cls, config: EngineConfig, model_config: ModelConfig) -> None:
         """Check the method's knobs against the model's shape (layer ids, head counts), after its
         config.json is read and before any weight loads; raise ValueError naming the knob. Dense:
@@ -112,6 +119,12 @@ class CacheManager:
         if seq.params.prompt_logprobs is not None:
             return []
         return self.tables.cached_prefix(seq)
+
+    def request_error(self, prompt_len: int, max_tokens: int) -> str | None:
+        """Why a request of prompt_len + max_tokens can never be served (checked when it arrives, so
+        it fails alone with this message instead of waiting forever), or None. A method with its
+        own capacity (HiSparse's host pool) checks it here. Dense: the engine's pool check suffices."""
+        return None
 
     def can_admit(self, seq: Sequence) -> bool:
         """Admit only if the whole current sequence fits, so its prefill never has to preempt."""
