@@ -76,6 +76,26 @@ def test_preemption_under_tiny_kv_budget_keeps_outputs(model, reference):
     assert llm.engine.scheduler.num_preemptions > 0
 
 
+@pytest.mark.parametrize("case", [
+    (9, 16, 32, [101, 66, 95, 71, 69], 15),
+    (12, 48, 96, [90, 101, 131], 12),
+])
+def test_prompts_preempted_while_prefilling_never_fail_a_request_that_fits(model, case):
+    """Prompts admitted together outgrow a small pool while still prefilling; the one preempted
+    first must not end the step with nothing to run (the engine then failed a request that fits
+    alone: "no longer fits the KV pool"). Every request finishes, as it does with room to spare."""
+    pages, chunk, batched, lens, max_tokens = case
+    ps = [[(11 * i + 5 * j) % 240 + 3 for j in range(n)] for i, n in enumerate(lens)]
+    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    want = run(LLM(model, page_size=16, enable_prefix_caching=False), ps, sp)
+    llm = LLM(model, page_size=16, num_kv_pages=pages, chunk_prefill_size=chunk, max_num_batched_tokens=batched,
+              max_num_seqs=4, enable_prefix_caching=False)
+    outs = llm.generate(ps, sp, use_tqdm=False)
+    assert [o.error for o in outs] == [None] * len(ps)
+    assert [o.outputs[0].token_ids for o in outs] == want
+    assert llm.engine.cache_manager.allocator.is_idle() and llm.engine.scheduler.num_preemptions > 0
+
+
 def test_max_tokens_eos_and_stop_tokens(model, reference):
     llm = LLM(model)
     p = prompts(1)[0]

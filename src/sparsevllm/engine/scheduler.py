@@ -61,9 +61,10 @@ class Scheduler:
             if self.cm.chunk_size(seq, min(cfg.chunk_prefill_size, budget)) <= 0:
                 continue  # the method needs a larger chunk than this step has left: wait a step
             if not take(seq):
-                # Decode growth of others took the pages this prompt was admitted with: recompute it later.
+                # Another request's growth took the pages this prompt was admitted with: recompute it
+                # later, and go on: its freed pages may let the next prompt run (stopping here could
+                # leave a step with nothing to run, and the engine would fail a request that fits).
                 self.preempt(seq)
-                break
         while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
             seq = self.waiting[0]
             if seq.num_pending_tokens or self._waits_for_parent(seq) or not self.cm.can_admit(seq):
