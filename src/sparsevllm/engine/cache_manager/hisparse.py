@@ -87,7 +87,9 @@ class HiSparseConfig(MethodConfig):
 class HiSparseCacheManager(CacheManager):
     method_name = "hisparse"
     config_cls = HiSparseConfig
-    capabilities = Capabilities(cuda_graph=True, prefix_cache=False)
+    # Not under tensor parallelism yet: its one page set per request and layer would need the page
+    # bounds summed across ranks (combine_shared_scores) and a host pool per rank; untested.
+    capabilities = Capabilities(cuda_graph=True, prefix_cache=False, tensor_parallel=False)
 
     def __init__(self, config: EngineConfig, num_layers: int, num_kv_heads: int, head_dim: int,
                  num_pages: int, dtype: torch.dtype, device: torch.device):
