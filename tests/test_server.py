@@ -193,6 +193,8 @@ def test_online_benchmark_reports_latencies_and_throughput(tmp_path):
         assert r["num_requests"] == 6 and r["output_tokens"] == 48 and r["output_tok_s"] > 0
         assert 0 < r["ttft_p50_ms"] <= r["ttft_p99_ms"] and 0 < r["e2e_p50_ms"] <= r["e2e_p99_ms"]
         assert r["itl_p50_ms"] is not None
+        # the engine's side of TTFT (receipt -> first token) is part of what the client waits
+        assert 0 < r["server_ttft_mean_ms"] <= r["ttft_mean_ms"]
     assert (out / "summary.md").read_text().count("|") > 20 and (out / "plot.png").stat().st_size > 0
 
 

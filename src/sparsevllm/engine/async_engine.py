@@ -83,7 +83,8 @@ class AsyncLLM:
         """Yields RequestOutput snapshots as tokens arrive; the last one has finished=True. Closing
         the generator (a client that disconnected) aborts the request and frees its pages."""
         stream = _Stream(asyncio.get_running_loop())
-        self._inbox.put(("add", prompt, params, stream))
+        # Stamped here, not when the engine thread takes it: TTFT then counts the wait for a step.
+        self._inbox.put(("add", prompt, params, stream, time.perf_counter()))
         self._wake.set()
         try:
             while True:
@@ -128,9 +129,9 @@ class AsyncLLM:
             except queue.Empty:
                 return
             if item[0] == "add":
-                _, prompt, params, stream = item
+                _, prompt, params, stream, received = item
                 try:
-                    seq = self.engine.add_request(prompt, params)
+                    seq = self.engine.add_request(prompt, params, arrival_time=received)
                 except (ValueError, TypeError) as e:
                     stream.push(e)
                     continue

@@ -138,14 +138,15 @@ class LLMEngine:
             return list(prompt)
         raise TypeError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
 
-    def add_request(self, prompt, params: SamplingParams) -> Sequence:
+    def add_request(self, prompt, params: SamplingParams, arrival_time: float | None = None) -> Sequence:
         """Queue one request (its params.n samples: `seq.group`). A request that can never run
         (empty, too long) is returned already finished with finish_reason 'error' and a message;
-        it does not disturb the others."""
+        it does not disturb the others. arrival_time (time.perf_counter()): when the request
+        really arrived, if earlier than now (the server stamps it on receipt)."""
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
         token_ids = self.tokenize(prompt)
-        now = time.perf_counter()
+        now = time.perf_counter() if arrival_time is None else arrival_time
         text = prompt if isinstance(prompt, str) else None
         seq = Sequence(token_ids, params, arrival_time=now, prompt=text)
         # The other samples prefill only what the first one's prompt pages do not hold. Each gets
