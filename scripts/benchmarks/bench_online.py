@@ -96,7 +96,10 @@ async def run_rate(url: str, model: str, prompts: list[list[int]], output_len: i
     # Plain HTTP through httpx2 (the openai client's own transport), not the openai client: its
     # request transform took ~45 ms for a 4K-token prompt on a busy 2-core machine, in the client's
     # event loop, so 32 clients at once measured the client's own queue as TTFT.
-    import httpx2
+    try:
+        import httpx2
+    except ImportError:
+        raise SystemExit("bench_online.py needs httpx2 (it comes with `pip install openai`, or the dev extra)") from None
     key = os.environ.get("SPARSEVLLM_API_KEY")
     client = httpx2.AsyncClient(timeout=httpx2.Timeout(3600.0), headers={"Authorization": f"Bearer {key}"} if key else {},
                                 limits=httpx2.Limits(max_connections=None, max_keepalive_connections=None))
