@@ -81,7 +81,7 @@ def test_bad_compressor_fields_are_named(tiny_model, field, value, msg):
         dc.validate_config(cfg)
 
 
-def test_trainer_loss_falls_and_resumes(tiny_model, tmp_path):
+def test_trainer_loss_falls_and_resumes(tiny_model, tmp_path, capsys):
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -97,7 +97,7 @@ def test_trainer_loss_falls_and_resumes(tiny_model, tmp_path):
     # a repetitive corpus: reconstructing KV well is learnable in a few steps
     data.write_text(" ".join(f"w{int(t)}" for t in torch.randint(3, 40, (3000,), generator=g)))
     out = tmp_path / "comp"
-    args = ["--model", path, "--out", str(out), "--data", str(data), "--steps", "12", "--batch_size", "2",
+    args = ["--recent", "16", "--model", path, "--out", str(out), "--data", str(data), "--steps", "12", "--batch_size", "2",
             "--seq_len", "64", "--latent_dim", "16", "--sink", "4", "--full_layers", "0", "--lr", "3e-3",
             "--save_every", "6", "--device", "cpu"]
     assert train_deltakv.main(args[:-6] + ["--steps", "6"] + args[-4:]) == 0   # 6 steps, checkpoint at 6
@@ -109,6 +109,11 @@ def test_trainer_loss_falls_and_resumes(tiny_model, tmp_path):
     cfg = json.loads((out / "compressor.json").read_text())
     assert cfg["training"]["steps"] == 12 and cfg["layers"] == [1, 2] and cfg["latent_dim"] == 16
     dc.load(str(out), ModelConfig.from_dict(read_config_json(path)))
+    capsys.readouterr()
+    assert train_deltakv.main(args + ["--evaluate", "2"]) == 0                  # held-out CE, nothing trained
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert report["windows"] == 2 and report["ce_compressed"] > 0 and 0 < report["mse"] < first["mse"]
+    assert json.loads((out / "history.json").read_text()) == history
 
 
 def test_trainer_compresses_k_after_the_k_norm_as_the_engine_sees_it(tiny_model):
@@ -142,3 +147,32 @@ def test_trainer_compresses_k_after_the_k_norm_as_the_engine_sees_it(tiny_model)
         model.model.layers[1].self_attn.k_proj(hidden)
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(seen[-1][1][..., :k_normed.shape[-1]], k_normed)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_trainer_reads_raw_kv_inside_the_recent_window_and_reconstructions_beyond(tiny_model, arch):
+    """With --recent W, attention reads raw KV for keys fewer than W tokens behind the query (the
+    engine's raw window) and reconstructions for older keys: with a compressor that reconstructs
+    badly, logits before position W equal the original model's, later ones do not; with W past the
+    sequence nothing changes at all."""
+    import transformers
+
+    from sparsevllm.tools import train_deltakv
+    path = tiny_model(arch, num_hidden_layers=3)
+    ids = torch.randint(3, 250, (2, 40), generator=torch.Generator().manual_seed(0))
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = model(input_ids=ids).logits
+    cfg = dc.make_config(ModelConfig.from_dict(read_config_json(path)), latent_dim=8, full_layers=[0], sink=2)
+    comp = dc.DeltaKVCompressor(cfg)
+    with torch.no_grad():
+        for p in comp.parameters():
+            p.normal_(0, 1.0)                           # reconstructions far from the true KV
+    for recent, same_until in ((12, 12), (64, 40)):
+        model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        train_deltakv.attach(model, comp, recent=recent)
+        with torch.no_grad():
+            got = model(input_ids=ids).logits
+        torch.testing.assert_close(got[:, :same_until], want[:, :same_until], atol=1e-4, rtol=1e-4)
+        if same_until < ids.shape[1]:
+            assert (got[:, same_until:] - want[:, same_until:]).abs().amax() > 1e-2

@@ -3,12 +3,16 @@
     python -m sparsevllm.tools.train_deltakv --out DIR [--model DIR] [--data FILE] [--steps 200] ...
 
 The model stays frozen (Hugging Face transformers, fp32 on a CPU, bf16 on a GPU). In every sparse
-layer (every layer but the full ones) attention reads reconstructed KV: the k_proj of that layer
-computes K and V together (K after the per-head k-norm where the model has one, as the engine's
-cache sees it), sends x = [K ; V] through the compressor (references raw, every other
-token through its latent and its nearest references' mean) and returns the reconstructed K; v_proj
-returns the reconstructed V. The loss is the next-token cross-entropy plus mse_weight x the MSE
-between reconstructed and true x. Only the compressor trains.
+layer (every layer but the full ones) attention reads reconstructed KV where the engine would: the
+k_proj of that layer computes K and V together (K after the per-head k-norm where the model has one,
+as the engine's cache sees it), sends x = [K ; V] through the compressor (references raw, every
+other token through its latent and its nearest references' mean), and attention reads a key's
+reconstruction when it is --recent or more tokens behind the query and its raw KV when it is
+nearer, as the engine keeps the recent window raw. (`--recent 0` reconstructs every non-reference
+token, as the authors' trainer does; measured on SmolLM2 that lets the compressor act as an adapter
+that lowers the loss on the training text below the dense model's while reconstructing far tokens
+badly, and the engine then loses needles.) The loss is the next-token cross-entropy plus
+mse_weight x the MSE between reconstructed and true x. Only the compressor trains.
 
 Data: --data (a text file) or, by default, CPython's documentation text (`pydoc_data`), which every
 Python has; windows of --seq_len tokens, drawn with --seed. A progress bar shows the losses; every
@@ -26,7 +30,7 @@ import time
 import torch
 from tqdm.auto import tqdm
 
-from sparsevllm.deltakv_compressor import TYPES, DeltaKVCompressor, make_config, validate_config
+from sparsevllm.deltakv_compressor import TYPES, DeltaKVCompressor, load, make_config, validate_config
 
 logger = logging.getLogger(__name__)
 
@@ -56,8 +60,14 @@ class _JointKV(torch.nn.Module):
         x_hat = self.compressor.reconstruct(self.layer, x)
         self.state["mse"].append(torch.nn.functional.mse_loss(x_hat, x))
         x_hat = x_hat.to(k.dtype)
-        self.state["v"][self.layer] = x_hat[..., k.shape[-1]:]
-        return x_hat[..., :k.shape[-1]]
+        k_hat, v_hat = x_hat[..., :k.shape[-1]], x_hat[..., k.shape[-1]:]
+        if self.state["recent"] > 0:
+            # raw and reconstructed side by side as twice the KV heads: the model's own reshape and
+            # RoPE treat them alike, and _mixed_attention picks one per (query, key) pair
+            self.state["v"][self.layer] = torch.cat([v, v_hat], dim=-1)
+            return torch.cat([k, k_hat], dim=-1)
+        self.state["v"][self.layer] = v_hat
+        return k_hat
 
 
 class _ReconstructedV(torch.nn.Module):
@@ -72,8 +82,36 @@ class _ReconstructedV(torch.nn.Module):
         return self.state["v"].pop(self.layer)
 
 
-def attach(model, compressor: DeltaKVCompressor) -> dict:
-    state = {"mse": [], "v": {}, "bypass": False}
+def _mixed_attention(state: dict):
+    """An attention function for transformers' registry: a layer whose K/V arrive with twice the KV
+    heads (raw first, reconstructed second) reads the raw pair for keys fewer than state["recent"]
+    tokens behind the query and the reconstructed pair for older keys; any other layer is plain
+    causal attention."""
+    def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        n_q, n_kv, t = query.shape[1], key.shape[1], query.shape[2]
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        if n_kv != 2 * module.config.num_key_value_heads:
+            out = torch.nn.functional.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scale,
+                                                                   enable_gqa=True)
+            return out.transpose(1, 2).contiguous(), None
+        group = n_q // (n_kv // 2)
+        k_raw, k_hat = (kk.repeat_interleave(group, dim=1) for kk in key.chunk(2, dim=1))
+        v_raw, v_hat = (vv.repeat_interleave(group, dim=1) for vv in value.chunk(2, dim=1))
+        pos = torch.arange(t, device=query.device)
+        behind = pos.view(-1, 1) - pos.view(1, -1)                      # query i minus key j
+        near = behind < state["recent"]
+        scores = torch.where(near, query @ k_raw.transpose(-1, -2), query @ k_hat.transpose(-1, -2)) * scale
+        scores = scores.float().masked_fill(behind < 0, float("-inf"))
+        p = torch.softmax(scores, dim=-1).to(query.dtype)
+        out = (p * near) @ v_raw + (p * ~near) @ v_hat
+        return out.transpose(1, 2).contiguous(), None
+    return attention
+
+
+def attach(model, compressor: DeltaKVCompressor, recent: int = 0) -> dict:
+    """Route the compressor's layers through reconstruction; with recent > 0 attention reads raw KV
+    for keys nearer than `recent` tokens to the query (the engine's raw window)."""
+    state = {"mse": [], "v": {}, "bypass": False, "recent": recent}
     for layer in compressor.config["layers"]:
         attn = model.model.layers[layer].self_attn
         k_proj, v_proj = attn.k_proj, attn.v_proj
@@ -82,6 +120,12 @@ def attach(model, compressor: DeltaKVCompressor) -> dict:
         if k_norm is not None:
             attn.k_norm = torch.nn.Identity()
         attn.v_proj = _ReconstructedV(layer, state)
+    if recent > 0:
+        from transformers import AttentionInterface, AttentionMaskInterface
+        from transformers.masking_utils import sdpa_mask
+        AttentionInterface.register("deltakv_train", _mixed_attention(state))
+        AttentionMaskInterface.register("deltakv_train", sdpa_mask)
+        model.config._attn_implementation = "deltakv_train"
     return state
 
 
@@ -93,6 +137,27 @@ def token_stream(tokenizer, path: str | None) -> tuple[torch.Tensor, str]:
         from sparsevllm.regression.text import pydoc_text
         text, source = pydoc_text(), f"pydoc_data (CPython {sys.version.split()[0]})"
     return torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long), source
+
+
+def evaluate(model, compressor: DeltaKVCompressor, tokens: torch.Tensor, args) -> int:
+    """The frozen model's next-token cross-entropy on held-out windows, dense and reading the
+    compressor's reconstructions as the engine would (raw within --recent), with the MSE."""
+    gen = torch.Generator().manual_seed(args.seed + 1)
+    starts = torch.randint(0, tokens.numel() - args.seq_len - 1, (args.evaluate,), generator=gen).tolist()
+    state = attach(model, compressor, args.recent)
+    dense, compressed, mse = [], [], []
+    with torch.no_grad():
+        for s in starts:
+            ids = tokens[s:s + args.seq_len + 1].view(1, -1).to(next(model.parameters()).device)
+            state["bypass"] = True
+            dense.append(model(input_ids=ids, labels=ids).loss.item())
+            state["bypass"], state["mse"] = False, []
+            compressed.append(model(input_ids=ids, labels=ids).loss.item())
+            mse.append(torch.stack(state["mse"]).mean().item())
+    mean = lambda xs: round(sum(xs) / len(xs), 4)
+    print(json.dumps({"compressor": args.out, "windows": len(starts), "seq_len": args.seq_len, "recent": args.recent,
+                      "ce_dense": mean(dense), "ce_compressed": mean(compressed), "mse": mean(mse)}))
+    return 0
 
 
 def main(argv=None) -> int:
@@ -111,15 +176,22 @@ def main(argv=None) -> int:
     ap.add_argument("--cluster_ratio", type=float, default=0.1)
     ap.add_argument("--neighbors", type=int, default=4)
     ap.add_argument("--sink", type=int, default=8)
+    ap.add_argument("--recent", type=int, default=128,
+                    help="keys nearer than this to the query stay raw, as in the engine (deltakv_recent); 0: none")
     ap.add_argument("--full_layers", default=None, help="comma list of raw layers (default: 0,1,2,8,18 of 32, scaled)")
     ap.add_argument("--save_every", type=int, default=50)
     ap.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    ap.add_argument("--evaluate", type=int, default=0, metavar="N",
+                    help="train nothing: print the frozen model's cross-entropy dense and with OUT's compressor "
+                         "(at --recent) and its MSE, on N windows of --seq_len tokens drawn with --seed + 1")
     args = ap.parse_args(argv)
     for name in ("steps", "batch_size", "seq_len", "save_every"):
         if getattr(args, name) < 1:
             ap.error(f"--{name} must be >= 1")
+    if args.recent < 0:
+        ap.error("--recent must be >= 0")
     logging.basicConfig(level=logging.WARNING)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -139,12 +211,14 @@ def main(argv=None) -> int:
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
     model.requires_grad_(False)
     tokenizer = AutoTokenizer.from_pretrained(path)
-    compressor = DeltaKVCompressor(cfg).to(device)
-    state = attach(model, compressor)
-    opt = torch.optim.AdamW(compressor.parameters(), lr=args.lr)
     tokens, source = token_stream(tokenizer, args.data)
     if tokens.numel() <= args.seq_len + 1:
         ap.error(f"the data holds {tokens.numel()} tokens, fewer than --seq_len + 1")
+    if args.evaluate:
+        return evaluate(model, load(args.out, model_config).to(device), tokens, args)
+    compressor = DeltaKVCompressor(cfg).to(device)
+    state = attach(model, compressor, args.recent)
+    opt = torch.optim.AdamW(compressor.parameters(), lr=args.lr)
     ckpt = os.path.join(args.out, "checkpoint")
     start, history = 0, []
     if args.resume and os.path.isfile(os.path.join(ckpt, "state.pt")):
@@ -185,6 +259,7 @@ def main(argv=None) -> int:
     final = {k: sum(h[k] for h in last) / max(len(last), 1) for k in ("ce", "mse")}
     compressor.save(args.out, {"training": {"data": source, "steps": args.steps, "batch_size": args.batch_size,
                                             "seq_len": args.seq_len, "lr": args.lr, "mse_weight": args.mse_weight,
+                                            "recent": args.recent,
                                             "seed": args.seed, "device": device, "seconds_this_run": round(elapsed, 1),
                                             "first_losses": history[0] if history else None,
                                             "dense_ce_first_batch": dense_ce,
