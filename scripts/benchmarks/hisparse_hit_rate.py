@@ -46,11 +46,13 @@ def main():
             acc = eng.cache_manager.memory_accounting()
             if acc["hit_rate"] is not None:     # the counters clear once no request is offloaded
                 last = acc
+        if last is None:
+            raise SystemExit(f"no request was offloaded at device_pages={pages}: lengthen --prompt_len "
+                             "or shrink --token_budget")
         print(json.dumps({"device_pages": pages, "token_budget": args.token_budget, "prompt_len": args.prompt_len,
-                          "num_prompts": args.num_prompts, "hot_pages_per_request": last and last["hot_pages_per_request"],
-                          "hit_rate": last and round(last["hit_rate"], 4),
-                          "swapped_in_pages": last and last["swapped_in_pages"],
-                          "decode_steps": last and last["decode_steps_offloaded"]}), flush=True)
+                          "num_prompts": args.num_prompts, "hot_pages_per_request": last["hot_pages_per_request"],
+                          "hit_rate": round(last["hit_rate"], 4), "swapped_in_pages": last["swapped_in_pages"],
+                          "decode_steps": last["decode_steps_offloaded"]}), flush=True)
 
 
 if __name__ == "__main__":

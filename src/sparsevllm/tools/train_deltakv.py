@@ -157,9 +157,10 @@ def evaluate(model, compressor: DeltaKVCompressor, tokens: torch.Tensor, args) -
             state["bypass"], state["mse"] = False, []
             compressed.append(model(input_ids=ids, labels=ids).loss.item())
             mse.append(torch.stack(state["mse"]).mean().item())
-    mean = lambda xs: round(sum(xs) / len(xs), 4)
+    means = {name: round(sum(xs) / len(xs), 4) for name, xs in (("ce_dense", dense), ("ce_compressed", compressed),
+                                                                 ("mse", mse))}
     print(json.dumps({"compressor": args.out, "windows": len(starts), "seq_len": args.seq_len, "recent": args.recent,
-                      "ce_dense": mean(dense), "ce_compressed": mean(compressed), "mse": mean(mse)}))
+                      **means}))
     return 0
 
 
