@@ -19,6 +19,7 @@ pytest.importorskip("triton")
 
 from sparsevllm.kernels import decode_attention as da  # noqa: E402
 from sparsevllm.kernels import prefill_attention as pa, rmsnorm, rope_store as rs, silu_mul  # noqa: E402
+from sparsevllm.kernels import skinny_gemm  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 interp = pytest.mark.skipif(CUDA, reason="interpreter tests run on CPU-only machines")
@@ -227,12 +228,42 @@ def test_silu_and_mul_triton_matches_reference(dtype, poison):
     close(silu_mul.silu_and_mul_triton(x), silu_mul.silu_and_mul_ref(x), dtype)
 
 
+@interp
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("rows,with_bias", [(1, False), (5, True), (16, False)])
+def test_skinny_linear_triton_matches_reference(dtype, rows, with_bias, poison):
+    g = torch.Generator().manual_seed(rows)
+    # N spans a partial column block, K a partial K block; x arrives as a 3-d view like a model's.
+    x = torch.randn(1, rows, 700, generator=g).to(dtype)
+    w = (torch.randn(100, 700, generator=g) * 0.05).to(dtype)
+    b = torch.randn(100, generator=g).to(dtype) if with_bias else None
+    got = skinny_gemm.skinny_linear_triton(x, w, b)
+    assert got.shape == (1, rows, 100)
+    close(got, skinny_gemm.skinny_linear_ref(x.float(), w.float(), None if b is None else b.float()), dtype)
+
+
+def test_linear_routes_only_decode_sized_steps_over_wide_weights():
+    w = torch.empty(4096, 4096, dtype=torch.bfloat16)
+    x = torch.empty(4, 4096, dtype=torch.bfloat16)
+    assert not skinny_gemm.takes(x, w)                      # CPU tensors: F.linear
+    if CUDA:
+        wc, xc = w.cuda(), x.cuda()
+        assert skinny_gemm.takes(xc, wc)
+        assert not skinny_gemm.takes(torch.empty(17, 4096, dtype=torch.bfloat16, device="cuda"), wc)  # prefill
+        assert not skinny_gemm.takes(xc[:, :1024], wc[:1024, :1024].contiguous())                   # small model
+        assert not skinny_gemm.takes(xc.float(), wc.float())                                        # fp32
+    x = torch.randn(3, 64)
+    w = torch.randn(32, 64)
+    assert torch.equal(skinny_gemm.linear(x, w), torch.nn.functional.linear(x, w))
+
+
 def test_kernel_modules_import_and_dispatch_without_triton():
     code = (
         "import sys; sys.modules['triton'] = None\n"
         "import torch\n"
-        "from sparsevllm.kernels import decode_attention, prefill_attention, rmsnorm, rope_store, silu_mul\n"
+        "from sparsevllm.kernels import decode_attention, prefill_attention, rmsnorm, rope_store, silu_mul, skinny_gemm\n"
         "x = torch.randn(2, 8)\n"
+        "assert torch.equal(skinny_gemm.linear(x, torch.ones(4, 8)), x @ torch.ones(4, 8).T)\n"
         "assert torch.equal(silu_mul.silu_and_mul(x), silu_mul.silu_and_mul_ref(x))\n"
         "assert torch.equal(rmsnorm.rms_norm(x, torch.ones(8), 1e-6), rmsnorm.rms_norm_ref(x, torch.ones(8), 1e-6))\n")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
@@ -335,6 +366,21 @@ def test_gpu_fused_ops_match_reference_bf16():
         for a, b in ((kc, kc2), (kmin, kmin2), (kmax, kmax2)):
             close(a, b, bf)
         assert torch.equal(vc, vc2)
+
+
+@gpu
+def test_gpu_skinny_linear_matches_cublas_on_llama_shapes_bf16():
+    g = torch.Generator().manual_seed(14)
+    bf = torch.bfloat16
+    for n, k, bias in ((6144, 4096, True), (4096, 4096, False), (28672, 4096, False), (4096, 14336, False),
+                       (128256, 4096, False)):
+        w = (torch.randn(n, k, generator=g) * 0.02).cuda().to(bf)
+        b = torch.randn(n, generator=g).cuda().to(bf) if bias else None
+        for rows in (1, 4, 16):
+            x = torch.randn(rows, k, generator=g).cuda().to(bf)
+            assert skinny_gemm.takes(x, w)
+            want = torch.nn.functional.linear(x.float(), w.float(), None if b is None else b.float())
+            close(skinny_gemm.linear(x, w, b), want, bf)
 
 
 @gpu

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from sparsevllm.distributed import tp_rank, tp_size
+from sparsevllm.kernels.skinny_gemm import linear
 
 
 def narrow(loaded, dim: int, start: int, n: int) -> torch.Tensor:
@@ -45,7 +46,7 @@ class ColumnParallelLinear(nn.Module):
         param.data.copy_(narrow(loaded, 0, self.tp_rank * n, n))
 
     def forward(self, x):
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -97,7 +98,7 @@ class RowParallelLinear(nn.Module):
         param.data.copy_(narrow(loaded, 1, self.tp_rank * n, n))
 
     def forward(self, x):
-        y = F.linear(x, self.weight)
+        y = linear(x, self.weight)
         if self.tp_size > 1:
             dist.all_reduce(y)  # plain collective: capturable in a CUDA graph under NCCL, same order on every rank
         return y if self.bias is None else y + self.bias
@@ -140,7 +141,7 @@ class ParallelLMHead(VocabParallelEmbedding):
             self.weight = tied_to.weight
 
     def forward(self, x, gather: bool = True):
-        logits = F.linear(x, self.weight)
+        logits = linear(x, self.weight)
         return self.gather(logits) if gather else logits
 
     def gather(self, logits: torch.Tensor) -> torch.Tensor | None:
