@@ -244,3 +244,24 @@ def test_method_knobs_go_only_to_their_own_method(monkeypatch):
     args = parser.parse_args(common + ["--methods", "vanilla", "--hyper_params", '{"fakesparse_budget": 32}'])
     with pytest.raises(ValueError, match="belongs to method 'fakesparse', which is not in --methods"):
         bench_sparse_vllm.validate(args)
+
+
+def test_kernel_benchmark_smoke_run_covers_decode_rope_store_and_the_skinny_gemm(tmp_path):
+    """bench_kernels.py --smoke on the CPU, its kernels under the Triton interpreter: the script runs
+    end to end (it broke once when kv_store and rotary became rope_store) and reports every section."""
+    pytest.importorskip("triton")
+    out = tmp_path / "kernels.json"
+    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.path.join(ROOT, "src"), env.get("PYTHONPATH")]))
+    proc = subprocess.run([sys.executable, os.path.join(BENCH_DIR, "bench_kernels.py"), "--smoke", "--out", str(out)],
+                          capture_output=True, text=True, env=env, timeout=60, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads(out.read_text())
+    assert len(report["decode"]) == 6 and all(r["graph_ms"] > 0 for r in report["decode"])
+    (rope,) = [r for r in report["fused"] if r["op"] == "rope_store"]
+    assert rope["ref_ms"] > 0 and rope["triton_ms"] > 0
+    gemm = report["skinny_gemm"]
+    assert [(r["N"], r["K"], r["rows"]) for r in gemm] == [(64, 96, 1), (64, 96, 3)]
+    assert all(r["f_linear_us"] > 0 and r["triton_us"] > 0 and {"f_linear_gbps", "triton_gbps"} <= set(r)
+               for r in gemm)
+    assert report["prefill"]

@@ -1,4 +1,4 @@
-"""Kernel micro-benchmarks: decode attention bandwidth, fused ops and prefill vs their torch refs.
+"""Kernel micro-benchmarks: decode attention bandwidth, fused ops, the skinny GEMM and prefill vs their refs.
 
     PYTHONPATH=src python scripts/benchmarks/bench_kernels.py --out kernels.json
 
@@ -6,7 +6,10 @@ Decode attention is timed over a dense decode view (every row the full context) 
 4K/32K/128K, page sizes 1/16/64 and G = 1 / G = H_kv, Llama-3.1-8B heads (32 q, 8 kv, d = 128),
 bf16, and reported as TB/s of KV read, timed both eagerly (triton.testing.do_bench, median; small
 cases are launch-bound there) and replayed from a CUDA graph (do_bench_cudagraph, as the engine runs
-decode). --sweep first tries launch settings of the decode and prefill kernels and uses the best;
+decode). The fused ops (RMSNorm, RoPE + KV-cache write, SiLU-mul) are timed against their torch
+references; the decode-step GEMM (skinny_gemm, at most 16 rows) against F.linear (cuBLAS) on the
+Llama-3.1-8B weight shapes, graph-timed with the weight cold in L2 and reported as GB/s of weight read.
+--sweep first tries launch settings of the decode and prefill kernels and uses the best;
 --sweep-splits times several split-count heuristics.
 `--smoke` runs tiny shapes on whatever device there is (under TRITON_INTERPRET on CPU) to check the
 script itself.
@@ -15,7 +18,6 @@ import argparse
 import json
 import os
 import platform
-import statistics
 import sys
 import time
 
@@ -27,7 +29,8 @@ if not torch.cuda.is_available():
 import triton  # noqa: E402
 
 from sparsevllm.kernels import decode_attention as da  # noqa: E402
-from sparsevllm.kernels import kv_store, prefill_attention as pa, rmsnorm, rotary, silu_mul  # noqa: E402
+from sparsevllm.kernels import prefill_attention as pa, rmsnorm, rope_store as rs, silu_mul  # noqa: E402
+from sparsevllm.kernels import skinny_gemm as sk  # noqa: E402
 
 HQ, HKV, D = 32, 8, 128
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -36,12 +39,11 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 def bench_ms(fn) -> float:
     if DEV == "cuda":
         return triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median")
-    times = []
-    for _ in range(3):
-        t = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t) * 1e3)
-    return statistics.median(times)
+    # On the CPU (a --smoke run, the kernels under the interpreter) the time only shows the path ran:
+    # one call, which keeps the smoke run short.
+    t = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t) * 1e3
 
 
 def bench_graph_ms(fn) -> float:
@@ -194,21 +196,55 @@ def bench_fused(results, gen, token_counts):
             lambda: rmsnorm.rms_norm_triton(x, w, 1e-5, res))
         add("rms_norm", T, lambda: rmsnorm.rms_norm_ref(x, w, 1e-5),
             lambda: rmsnorm.rms_norm_triton(x, w, 1e-5))
-        q = torch.randn(T, HQ, D, device=DEV, dtype=bf, generator=gen)
-        k = torch.randn(T, HKV, D, device=DEV, dtype=bf, generator=gen)
-        cache = torch.randn(131072, D, device=DEV, generator=gen)
-        pos = torch.randint(0, 131072, (T,), device=DEV, generator=gen)
-        add("apply_rope", T, lambda: rotary.apply_rope_ref(q, k, pos, cache),
-            lambda: rotary.apply_rope_triton(q, k, pos, cache))
         xm = torch.randn(T, 2 * 14336, device=DEV, dtype=bf, generator=gen)
         add("silu_and_mul", T, lambda: silu_mul.silu_and_mul_ref(xm),
             lambda: silu_mul.silu_and_mul_triton(xm))
-        kc = torch.zeros(4 * T + 64, HKV, D, device=DEV, dtype=bf)
-        vc = torch.zeros_like(kc)
-        slots = torch.randperm(kc.shape[0], device=DEV, generator=gen)[:T]
-        add("store_kv", T, lambda: kv_store.store_kv_ref(k, k, kc, vc, slots),
-            lambda: kv_store.store_kv_triton(k, k, kc, vc, slots),
-            ref_capturable=False)   # its boolean-mask indexing syncs with the host
+        args = rope_store_inputs(T, gen)
+        add("rope_store", T, lambda: rs.rope_store_ref(*args), lambda: rs.rope_store_triton(*args),
+            ref_capturable=False)   # its boolean-mask indexing (padding slots) syncs with the host
+
+
+def rope_store_inputs(T, gen):
+    """One layer's RoPE + KV write as the engine calls it: T tokens at random positions of a 128K
+    cos/sin cache, written to distinct random slots of a pool a few times larger."""
+    bf = torch.bfloat16
+    q = torch.randn(T, HQ, D, device=DEV, dtype=bf, generator=gen)
+    k, v = (torch.randn(T, HKV, D, device=DEV, dtype=bf, generator=gen) for _ in range(2))
+    cache = torch.randn(131072, D, device=DEV, generator=gen)
+    pos = torch.randint(0, 131072, (T,), device=DEV, generator=gen)
+    k_cache = torch.zeros(4 * T + 64, HKV, D, device=DEV, dtype=bf)
+    slots = torch.randperm(k_cache.shape[0], device=DEV, generator=gen)[:T]
+    return q, k, v, pos, cache, k_cache, torch.zeros_like(k_cache), slots
+
+
+# Llama-3.1-8B's decode weights (N, K); qkv and gate_up are the merged projections the engine runs.
+LLAMA_LINEARS = [("qkv", 6144, 4096), ("o_proj", 4096, 4096), ("gate_up", 28672, 4096),
+                 ("down", 4096, 14336), ("lm_head", 128256, 4096)]
+
+
+def bench_skinny(results, gen, shapes, row_counts, dtype, cold_bytes):
+    """The weight-streaming GEMM vs F.linear per (N, K) and rows, graph-timed. Each call runs over
+    its own copy of the weight, the copies together about cold_bytes, well past the L2 (50 MB on the
+    H200): a decode step reads every weight from HBM, and a weight left in L2 by the previous replay
+    would time the cache instead."""
+    for name, N, K in shapes:
+        wbytes = N * K * torch.finfo(dtype).bits // 8
+        copies = max(2, int(cold_bytes // wbytes))
+        ws = [torch.randn(N, K, device=DEV, dtype=dtype, generator=gen) for _ in range(copies)]
+        for M in row_counts:
+            x = torch.randn(M, K, device=DEV, dtype=dtype, generator=gen)
+            row = {"op": name, "N": N, "K": K, "rows": M, "weight_copies": copies,
+                   "engine_uses_skinny": sk.takes(x, ws[0])}
+            for label, lin in (("f_linear", torch.nn.functional.linear), ("triton", sk.skinny_linear_triton)):
+                us = bench_graph_ms(lambda: [lin(x, w) for w in ws]) / copies * 1e3
+                row[f"{label}_us"] = round(us, 2)
+                row[f"{label}_gbps"] = round(wbytes / us / 1e3, 1)
+            row["speedup"] = round(row["f_linear_us"] / row["triton_us"], 3)
+            results.append(row)
+            print("skinny", row, flush=True)
+        del ws
+        if DEV == "cuda":
+            torch.cuda.empty_cache()
 
 
 def gather_sdpa(q, k_cache, v_cache, block_tables, context_len, page_size, scale):
@@ -277,17 +313,28 @@ def bench_prefill(results, gen, chunk, contexts):
     cu = torch.arange(0, B * chunk + 1, chunk, dtype=torch.int32, device=DEV)
     bt = torch.arange(B * chunk // P, device=DEV, dtype=torch.int32).view(B, chunk // P)
     lens = torch.full((B,), chunk, dtype=torch.int32, device=DEV)
-    var = bench_ms(lambda: pa.varlen_attention(q, k, v, cu, chunk, 0.1))
+    var = bench_ms(lambda: pa.varlen_attention(q, k, v, cu, chunk, 0.1, [chunk] * B))
     tri = bench_ms(lambda: pa.prefill_attention_triton(q, k, v, bt, cu, lens, P, 0.1, chunk))
     flops = B * 2 * chunk * chunk * D * HQ
     row = {"case": "no prefix", "chunks": B, "chunk": chunk, "varlen_ms": round(var, 4),
            "triton_ms": round(tri, 4), "varlen_tflops": round(flops / var / 1e9, 1),
            "triton_tflops": round(flops / tri / 1e9, 1),
-           "varlen_backend": ("torch varlen_attn" if pa._torch_varlen_attn is not None
-                              else "flash_attn" if pa._flash_varlen is not None else "reference"),
+           "varlen_backend": varlen_backend(q),
            "varlen_failed": sorted(pa._varlen_broken), "varlen_params": sorted(pa._VARLEN_PARAMS)}
     results.append(row)
     print("prefill", row, flush=True)
+
+
+def varlen_backend(q):
+    """The backend varlen_attention ran for q with the host's sequence lengths (as the engine calls
+    it): the first present one that has not failed."""
+    if not (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)):
+        return "reference"
+    for name, present in (("sdpa", True), ("torch varlen_attn", pa._torch_varlen_attn is not None),
+                          ("flash_attn", pa._flash_varlen is not None)):
+        if present and name not in pa._varlen_broken:
+            return name
+    return "reference"
 
 
 def main():
@@ -325,9 +372,13 @@ def run(args, report, gen, save):
     print("device copy TB/s", report["copy_tbps"], flush=True)
     if args.smoke:
         batches, contexts, tokens, chunk, pctx = (2,), (256,), (3,), 64, (128,)
+        linears, rows, cold_bytes = [("tiny", 64, 96)], (1, 3), 0   # tiny weights: 2 copies
     else:
         batches, contexts, tokens = (1, 4, 32), (4096, 32768, 131072), (1, 64, 4096)
         chunk, pctx = 2048, (8192, 32768)
+        linears, rows, cold_bytes = LLAMA_LINEARS, (1, 4, 16), 400e6
+    # The interpreter computes bf16 wrongly (common.upcast_loads), so a CPU smoke run uses fp32.
+    gemm_dtype = torch.bfloat16 if DEV == "cuda" else torch.float32
     report["decode_sweep"] = []
     if args.sweep and not args.smoke:
         report["decode_settings"] = sweep_decode(report["decode_sweep"], gen, 32768)
@@ -346,6 +397,9 @@ def run(args, report, gen, save):
     save()
     report["fused"] = []
     bench_fused(report["fused"], gen, tokens)
+    save()
+    report["skinny_gemm"] = []
+    bench_skinny(report["skinny_gemm"], gen, linears, rows, gemm_dtype, cold_bytes)
     save()
     report["prefill_sweep"] = []
     if args.sweep and not args.smoke:
