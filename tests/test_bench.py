@@ -265,3 +265,16 @@ def test_kernel_benchmark_smoke_run_covers_decode_rope_store_and_the_skinny_gemm
     assert all(r["f_linear_us"] > 0 and r["triton_us"] > 0 and {"f_linear_gbps", "triton_gbps"} <= set(r)
                for r in gemm)
     assert report["prefill"]
+
+
+def test_decode_profile_files_every_kernel_of_a_step_under_its_kind():
+    """profile_decode.py splits a step by kernel name: the GEMMs the engine runs (cuBLAS's and the
+    weight-streaming Triton kernel) count as GEMM, the methods' own kernels under their methods'."""
+    import profile_decode
+    kinds = {name: profile_decode.kind(name) for name in (
+        "nvjet_tst_128x64_64x8_1x2_h_bz_NTN", "_skinny_kernel", "_decode_split_kernel", "_rms_norm_kernel",
+        "_reconstruct_kernel", "_radix_hist_kernel", "_select_pages_kernel", "void at::native::reduce_kernel")}
+    assert kinds == {"nvjet_tst_128x64_64x8_1x2_h_bz_NTN": "GEMM", "_skinny_kernel": "GEMM",
+                     "_decode_split_kernel": "decode attention", "_rms_norm_kernel": "rmsnorm",
+                     "_reconstruct_kernel": "method: rebuild", "_radix_hist_kernel": "method: select",
+                     "_select_pages_kernel": "method: select", "void at::native::reduce_kernel": "other"}

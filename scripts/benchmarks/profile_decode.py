@@ -29,7 +29,8 @@ from sparsevllm import LLM, SamplingParams
 def kind(name: str) -> str:
     n = name.lower()
     for key, label in (("nccl", "all-reduce (NCCL)"), ("decode_split", "decode attention"), ("decode_merge", "decode attention (merge)"),
-                       ("gemm", "GEMM"), ("gemv", "GEMM"), ("nvjet", "GEMM"), ("cutlass", "GEMM"),
+                       ("gemm", "GEMM"), ("gemv", "GEMM"), ("nvjet", "GEMM"), ("cutlass", "GEMM"), ("skinny", "GEMM"),
+                       ("reconstruct", "method: rebuild"), ("rebuild", "method: rebuild"), ("radix", "method: select"),
                        ("rms_norm", "rmsnorm"), ("rope_store", "rope + kv store"), ("silu", "silu_mul"),
                        ("argmax", "sampling"), ("copy", "copies"), ("quest_scores", "method: scores"),
                        ("select_pages", "method: select"), ("page_minmax", "method: page min/max")):
