@@ -6,8 +6,9 @@ split-K kernels for some of these shapes (o_proj, down_proj) that run at 64-90% 
 and add a reduce kernel. Here one program owns BLOCK_N output columns and walks the whole K of
 their weight rows (no split, no reduce), the rows of x padded to 16 for the tensor cores.
 
-Measured on the H200 (`.probe`-style graph timing, weights cold in L2, Llama-3.1-8B shapes, M = 1 /
-4; cuBLAS -> this): qkv 15.9 -> 14.8 / 15.4 -> 14.9 us, o_proj 12.4 -> 10.8 / 12.5 -> 11.0, gate_up
+Measured on the H200 (graph-timed, weights cold in L2 as in scripts/benchmarks/bench_kernels.py,
+Llama-3.1-8B shapes, M = 1 / 4, cuBLAS -> this kernel at each shape's best launch settings; the rule
+in launch_config takes them for qkv, o_proj and down, near ones for gate_up and the LM head): qkv 15.9 -> 14.8 / 15.4 -> 14.9 us, o_proj 12.4 -> 10.8 / 12.5 -> 11.0, gate_up
 57.0 -> 56.7 / 61.0 -> 56.9, down 31.0 -> 29.7 / 31.3 -> 29.9, LM head 246 -> 236 / 248 -> 238. At
 32 rows cuBLAS is as fast or faster, so the kernel takes only steps of at most MAX_ROWS rows, and
 only weights wide enough to give every SM a program (smaller models keep cuBLAS).
