@@ -116,12 +116,16 @@ def test_decode_attention_triton_single_split_writes_the_output_itself(G_is_head
 
 
 @interp
-@pytest.mark.parametrize("P", [1, 16])
-def test_decode_attention_reports_token_scores(P, monkeypatch):
+@pytest.mark.parametrize("P,staged_blocks", [(1, 32), (16, 32), (1, 2)])
+def test_decode_attention_reports_token_scores(P, staged_blocks, monkeypatch):
     """With a token_scores buffer the attention also leaves, per token of a G = 1 row and KV group,
     the max over the group's query heads of its raw logit (an OmniKV filter layer selects from the
-    max over groups), across several splits; entries past a row's length are left alone."""
+    max over groups), across several splits; entries past a row's length are left alone. The last
+    case stages several 16-token blocks a program and forces more splits to fit them."""
     monkeypatch.setattr(da, "MIN_SPLIT_TOKENS", 16)
+    monkeypatch.setattr(da, "MAX_SCORE_ITERS", staged_blocks)
+    if staged_blocks == 2:
+        monkeypatch.setattr(da, "BLOCK_N", 16)
     g = torch.Generator().manual_seed(P + 31)
     q, k_cache, v_cache, table, lengths = decode_case(g, 3, 4, 2, 32, P, 1, {1: 70, 16: 5}[P], torch.float32, "cpu")
     T = table.shape[2] * P
