@@ -31,10 +31,12 @@ NUM_STAGES = 3
 # BLOCK_N 32 were slower everywhere).
 MIN_SPLIT_TOKENS = 64
 PROGRAMS_PER_SM = 4     # enough resident programs to keep HBM busy across all SMs
-# Reporting token scores (a store per block inside the loop) slows a dense 128K x 4 view from 478 to
-# 676 us (graph-timed on the H200, Llama-3.1-8B heads); in a copy of this kernel 8 warps took that
-# case from 662 to 613 us, while without scores 8 warps are slower (632 against 466 us).
-SCORES_NUM_WARPS = 8
+# Reporting token scores: a store per block inside the loop slowed a dense 128K x 4 view from 478 to
+# 617 us at its best launch (8 warps; graph-timed on the H200, Llama-3.1-8B heads, `.probe`-style copy of
+# this kernel). Staging them in registers and storing once after the loop, with enough splits that a
+# split's blocks fit MAX_SCORE_ITERS, takes it to 488 us at 4 warps and 2 stages (S = 64; 8 warps: 568).
+SCORES_NUM_WARPS = 4
+SCORES_NUM_STAGES = 2
 MAX_SCORE_ITERS = 32    # blocks of staged token scores a program holds (32 x 64 fp32: 16 registers a thread at 4 warps)
 
 
@@ -258,7 +260,8 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         BLOCK_H=max(16, pow2(QG)), BLOCK_N=BLOCK_N,
         UPCAST=upcast, DOT_PREC=dot_precision(q.dtype), DIRECT=direct, TOKEN_SCORES=token_scores is not None,
         SCORE_ITERS=score_iters,
-        num_warps=SCORES_NUM_WARPS if token_scores is not None else NUM_WARPS, num_stages=NUM_STAGES)
+        num_warps=SCORES_NUM_WARPS if token_scores is not None else NUM_WARPS,
+        num_stages=SCORES_NUM_STAGES if token_scores is not None else NUM_STAGES)
     if direct:
         return out
     _decode_merge_kernel[(B, Hq)](
