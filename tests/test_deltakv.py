@@ -76,9 +76,11 @@ def count_compressions(llm):
     log = {"tokens": 0}
     compress = cm._compress
 
-    def counted(seq, req, start, end):
-        log["tokens"] += end - start
-        return compress(seq, req, start, end)
+    def counted(jobs):
+        log["tokens"] += sum(end - start for _, _, start, end in jobs)
+        log["calls"] = log.get("calls", 0) + 1
+        log["most_batched"] = max(log.get("most_batched", 0), len(jobs))
+        return compress(jobs)
     cm._compress = counted
     return log
 
@@ -302,6 +304,30 @@ def test_deltakv_equals_vanilla_when_decode_keep_covers_every_compressed_token(t
     log = count_compressions(llm)
     assert run(llm, ps, sp) == want
     assert log["tokens"] > sum(lengths) // 2          # most of the context went through the latents
+
+
+def test_requests_compressed_together_equal_one_at_a_time(tiny_model, tmp_path, monkeypatch):
+    """Decode ages out a window in requests of equal (length - sink) mod recent at the same step; they
+    are compressed as one padded batch. Latents, references and tokens equal compressing each
+    request alone (COMPRESS_REFS = 1 puts every request in its own batch)."""
+    from sparsevllm.engine.cache_manager import deltakv
+    path = model(tiny_model)
+    comp = compressor(path, tmp_path / "c", "random", latent=4)
+    ps = prompts([100, 132, 68], seed=6)        # 96, 128, 64 past the sink: multiples of the window
+    sp = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    knobs = dict(vllm_sparse_method="deltakv", device="cpu", deltakv_compressor_path=comp, deltakv_decode_keep=8,
+                 **SMALL)
+    results = []
+    for refs in (deltakv.COMPRESS_REFS, 1):
+        monkeypatch.setattr(deltakv, "COMPRESS_REFS", refs)
+        llm = LLM(path, **knobs)
+        log = count_compressions(llm)
+        results.append((run(llm, ps, sp), llm.engine.cache_manager, log))
+    (together, cm_t, log_t), (alone, cm_a, log_a) = results
+    assert log_t["most_batched"] == 3 and log_a["most_batched"] == 1 and log_t["tokens"] == log_a["tokens"]
+    assert together == alone
+    torch.testing.assert_close(cm_t.latents, cm_a.latents, atol=1e-5, rtol=1e-5)
+    assert torch.equal(cm_t.neighbors, cm_a.neighbors)
 
 
 def test_deltakv_differs_from_vanilla_when_it_selects_and_compresses(tiny_model, tmp_path):

@@ -7,8 +7,9 @@ compressor works on x = [K before RoPE ; V]. So:
   back by its position (RoPE is a rotation: the inverse is exact up to rounding) and appends V.
 - compress_block(x, refs, ref_pos, pos, neighbors, codec) -> (z, nbr): every token's `neighbors`
   nearest references at earlier positions by L2 (the causal rule of deltakv_compressor), their mean
-  r, and z = down(x) - down(r). Torch (cdist + topk + the codec's GEMMs): it runs outside CUDA
-  graphs, once per block of aged-out tokens, and cuBLAS does the heavy part.
+  r, and z = down(x) - down(r), for a batch of requests at once. Torch (a batched GEMM for the
+  distances + topk + the codec's GEMMs): it runs outside CUDA graphs, once per step in which some
+  request's tokens age out, and cuBLAS does the heavy part.
 - reconstruct(...): for every entry of a sparse layer's decode view, copies a raw token (sink,
   references, recent tokens) or rebuilds a compressed one as up(z) + mean of its references (each
   rotated back from the raw pool), then RoPE at its true position, into the scratch slots. up(z)
@@ -91,25 +92,38 @@ def gather_x(k_cache, v_cache, slots, positions, cos_sin_cache):
 
 def compress_block(x: torch.Tensor, refs: torch.Tensor, ref_pos: torch.Tensor, pos: torch.Tensor,
                    neighbors: int, codec, chunk: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
-    """x: [n, F] fp32 tokens at positions pos [n]; refs: [R, F] fp32 at ref_pos [R] (increasing) ->
-    (z [n, latent] fp32, nbr [n, neighbors] int32: the references' positions, -1 where fewer than
-    `neighbors` lie before the token). Only references strictly before a token count (causal).
-    Chunks of `chunk` tokens bound the [n, R] distance matrix (128K x 12.8K would not fit)."""
+    """x: [B, n, F] fp32 tokens at positions pos [B, n]; refs: [B, R, F] fp32 at ref_pos [B, R] ->
+    (z [B, n, latent] fp32, nbr [B, n, neighbors] int32: the references' positions, -1 where fewer
+    than `neighbors` lie before the token). B requests compressed together (one batched GEMM a
+    layer, not one per request); a single request may drop the B axis. Only references strictly
+    before a token count (causal), so padding is free: a padding reference at a position after every
+    token is never chosen, a padding token at position -1 chooses none. Chunks of `chunk` tokens
+    bound the [B, n, R] score matrix (128K x 12.8K would not fit)."""
+    if x.dim() == 2:
+        z, nbr = compress_block(x[None], refs[None], ref_pos[None], pos[None], neighbors, codec, chunk)
+        return z[0], nbr[0]
     zs, nbrs = [], []
-    k = min(neighbors, refs.shape[0])
-    for s in range(0, x.shape[0], chunk):
-        xc, pc = x[s:s + chunk], pos[s:s + chunk].long()
-        dist = torch.cdist(xc, refs).masked_fill(ref_pos.long().view(1, -1) >= pc.view(-1, 1), float("inf"))
-        d, idx = dist.topk(k, dim=-1, largest=False)
+    k = min(neighbors, refs.shape[1])
+    # L2 order without torch.cdist: ||x - r||^2 = ||x||^2 + ||r||^2 - 2 x.r, and ||x||^2 is the same
+    # for every reference of a token, so ||r||^2 - 2 x.r orders them alike. cdist pads the GEMM's K
+    # to F + 2, which sent a 128K x 4 decode compression on the H200 to a slow fp32 kernel.
+    ref_sq = (refs * refs).sum(-1).unsqueeze(1)                                  # [B, 1, R]
+    for s in range(0, x.shape[1], chunk):
+        xc, pc = x[:, s:s + chunk], pos[:, s:s + chunk].long()
+        score = torch.baddbmm(ref_sq, xc, refs.transpose(1, 2), alpha=-2.0)
+        score = score.masked_fill(ref_pos.long().unsqueeze(1) >= pc.unsqueeze(2), float("inf"))
+        d, idx = score.topk(k, dim=-1, largest=False)                           # [B, c, k]
         ok = torch.isfinite(d)
-        r = (refs[idx] * ok.unsqueeze(-1)).sum(1) / ok.sum(1, keepdim=True).clamp(min=1)
+        picked = torch.gather(refs, 1, idx.flatten(1).unsqueeze(-1).expand(-1, -1, refs.shape[-1]))
+        r = (picked.view(*idx.shape, -1) * ok.unsqueeze(-1)).sum(2) / ok.sum(2, keepdim=True).clamp(min=1)
         with torch.no_grad():
-            zs.append(codec.encode(xc.to(_param_dtype(codec)), r.to(_param_dtype(codec))).float())
-        nbr = torch.where(ok, ref_pos.long()[idx], -1).to(torch.int32)
+            dt = _param_dtype(codec)
+            zs.append(codec.encode(xc.to(dt), r.to(dt)).float())
+        nbr = torch.where(ok, torch.gather(ref_pos.long(), 1, idx.flatten(1)).view(idx.shape), -1).to(torch.int32)
         if k < neighbors:
-            nbr = torch.cat([nbr, nbr.new_full((nbr.shape[0], neighbors - k), -1)], dim=1)
+            nbr = torch.cat([nbr, nbr.new_full((*nbr.shape[:2], neighbors - k), -1)], dim=-1)
         nbrs.append(nbr)
-    return torch.cat(zs), torch.cat(nbrs)
+    return torch.cat(zs, 1), torch.cat(nbrs, 1)
 
 
 def _param_dtype(module) -> torch.dtype:
