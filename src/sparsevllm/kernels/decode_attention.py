@@ -236,7 +236,8 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     score_iters = 1
     if token_scores is not None:   # enough splits that a split's blocks fit the staged scores
         S = max(S, -(-(N * P) // (MAX_SCORE_ITERS * BLOCK_N)))
-        score_iters = pow2(-(-(-(-(N * P) // S)) // BLOCK_N))
+        split_tokens = -(-(N * P) // S)                       # the kernel's per_split, before rounding
+        score_iters = pow2(-(-split_tokens // BLOCK_N))
     out = torch.empty_like(q)
     direct = S == 1
     mid_o = torch.empty(B, Hq, 1 if direct else S, D, dtype=torch.float32, device=q.device)

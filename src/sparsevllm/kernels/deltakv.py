@@ -107,7 +107,7 @@ def compress_block(x: torch.Tensor, refs: torch.Tensor, ref_pos: torch.Tensor, p
     # L2 order without torch.cdist: ||x - r||^2 = ||x||^2 + ||r||^2 - 2 x.r, and ||x||^2 is the same
     # for every reference of a token, so ||r||^2 - 2 x.r orders them alike. cdist pads the GEMM's K
     # to F + 2, which sent a 128K x 4 decode compression on the H200 to a slow fp32 kernel.
-    ref_sq = (refs * refs).sum(-1).unsqueeze(1)                                  # [B, 1, R]
+    ref_sq = torch.linalg.vector_norm(refs, dim=-1).square().unsqueeze(1)        # [B, 1, R], no [B, R, F] temporary
     for s in range(0, x.shape[1], chunk):
         xc, pc = x[:, s:s + chunk], pos[:, s:s + chunk].long()
         score = torch.baddbmm(ref_sq, xc, refs.transpose(1, 2), alpha=-2.0)

@@ -30,8 +30,9 @@ Admission and `bytes_per_page` count exactly these.
 
 When compression runs: in `on_step_end`, after every step (prefill chunks included), for a request
 whose raw tail has reached two windows: the oldest whole windows are compressed, leaving one window
-raw; the requests of one step are compressed together, as one padded batch. Bookkeeping is planned on the host from counters the host knows; the device work (gathers,
-nearest references, the GEMMs) is queued after the step's forward and never synchronises. Prefill
+raw; the requests of one step are compressed together, as one padded batch. Bookkeeping is
+planned on the host from counters the host knows; the device work (gathers, nearest references, the
+GEMMs) is queued after the step's forward and never synchronises. Prefill
 is chunked: a chunk after the first attends (densely, unchanged math otherwise) to its prefix as the
 sparse layers hold it, the compressed tokens rebuilt into a per-step scratch, as the compressor was
 trained (attention over reconstructed KV). So a long prompt never sits raw in the sparse layers
