@@ -188,6 +188,55 @@ def test_references_are_causal_and_equal_the_compressors_mean():
         assert sorted(nbr[i].tolist()) == sorted(sorted(earlier, key=lambda p: (d[p], p))[:k])
 
 
+def test_shortlist_then_exact_ranking_equals_the_full_ranking():
+    """The GPU path: a bf16 GEMM shortlists candidates, compress_block ranks them in fp32. Two
+    requests padded to one batch (padding tokens at -1, padding references after every token), a
+    shortlist longer than some tokens' earlier references, another shorter than the references."""
+    g = torch.Generator().manual_seed(3)
+    F, k = 64, 4
+    codec = dc.LayerCodec(F, 16, "linear")
+    tok_pos = torch.tensor([[2, 9, 13, 40, 77, 90, 99, -1], [7, 11, 30, 31, 52, 66, -1, -1]])
+    ref_pos = torch.tensor([[0, 1, 2, 3, 4, 8, 12, 16, 20, 24, 28, 32, 36, 44, 52, 60, 68, 76, 84, 92],
+                            [0, 1, 2, 3, 6, 10, 14, 18, 22, 26, 34, 42, 50, 58, 62, 1 << 40, 1 << 40, 1 << 40,
+                             1 << 40, 1 << 40]])
+    x = torch.randn(2, tok_pos.shape[1], F, generator=g)
+    refs = torch.randn(2, ref_pos.shape[1], F, generator=g)
+    want_z, want_nbr = kd.compress_block(x, refs, ref_pos, tok_pos, k, codec)
+    for size in (6, 12, 32):
+        idx = kd.shortlist(x, refs.to(torch.bfloat16), refs.square().sum(-1), ref_pos, tok_pos, size)
+        assert idx.shape == (2, tok_pos.shape[1], min(size, ref_pos.shape[1]))
+        cand = torch.gather(refs.unsqueeze(1).expand(-1, idx.shape[1], -1, -1), 2,
+                            idx.unsqueeze(-1).expand(-1, -1, -1, F))
+        z, nbr = kd.compress_block(x, cand, ref_pos.gather(1, idx.flatten(1)).view(idx.shape), tok_pos, k, codec)
+        assert torch.equal(nbr, want_nbr)
+        torch.testing.assert_close(z, want_z, atol=1e-5, rtol=1e-5)
+    assert want_nbr[0, 0].sort().values.tolist() == [-1, -1, 0, 1] and (want_nbr[0, -1] == -1).all()
+
+
+def test_engine_with_the_shortlist_equals_the_full_ranking(tiny_model, tmp_path, monkeypatch):
+    """The shortlist path (on by default on the GPU) forced on the CPU: same references, latents and
+    tokens as ranking every reference in fp32, with a shortlist shorter than the references."""
+    from sparsevllm.engine.cache_manager import deltakv
+    monkeypatch.setattr(deltakv, "SHORTLIST", 8)
+    monkeypatch.setattr(deltakv, "SHORTLIST_TOKENS", 64)   # several chunks a prefill
+    path = model(tiny_model)
+    comp = compressor(path, tmp_path / "c", "random", latent=4)
+    ps = prompts([300, 132, 200], seed=8)
+    sp = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    results = []
+    for forced in (False, True):
+        llm = LLM(path, vllm_sparse_method="deltakv", device="cpu", deltakv_compressor_path=comp,
+                  deltakv_decode_keep=8, **SMALL)
+        cm = llm.engine.cache_manager
+        cm.shortlist = forced
+        results.append((run(llm, ps, sp), cm))
+    (full, cm_f), (short, cm_s) = results
+    assert cm_s.neighbors.ge(0).sum() > 100        # many tokens were compressed
+    assert torch.equal(cm_f.neighbors, cm_s.neighbors)
+    torch.testing.assert_close(cm_f.latents, cm_s.latents, atol=1e-5, rtol=1e-5)
+    assert full == short
+
+
 def recon_case(B=3, C=20, S=8, H=2, D=8, NBR=2, seed=0, dtype=torch.float32):
     g = torch.Generator().manual_seed(seed)
     n = 64

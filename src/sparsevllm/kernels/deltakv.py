@@ -3,13 +3,17 @@ reconstructing the selected tokens into the scratch slots a sparse layer's decod
 
 The sparse layers' raw pool holds K after RoPE (prefill attention reads it as it is), while the
 compressor works on x = [K before RoPE ; V]. So:
-- gather_x(k_cache, v_cache, slots, positions, cos_sin_cache) -> x [n, 2 * H * D] fp32: rotates K
-  back by its position (RoPE is a rotation: the inverse is exact up to rounding) and appends V.
+- gather_x(k_cache, v_cache, slots, positions, cos_sin_cache, dtype) -> x [n, 2 * H * D] (fp32 by
+  default): rotates K back by its position (RoPE is a rotation: the inverse is exact up to rounding)
+  and appends V.
 - compress_block(x, refs, ref_pos, pos, neighbors, codec) -> (z, nbr): every token's `neighbors`
   nearest references at earlier positions by L2 (the causal rule of deltakv_compressor), their mean
   r, and z = down(x) - down(r), for a batch of requests at once. Torch (a batched GEMM for the
   distances + topk + the codec's GEMMs): it runs outside CUDA graphs, once per step in which some
   request's tokens age out, and cuBLAS does the heavy part.
+- shortlist(x, refs, ref_sq, ref_pos, pos, size) -> each token's `size` best candidates by a bf16
+  GEMM; compress_block then ranks just those exactly in fp32 (the GPU path: the fp32 GEMM against
+  every reference was most of a decode step's compression).
 - reconstruct(...): for every entry of a sparse layer's decode view, copies a raw token (sink,
   references, recent tokens) or rebuilds a compressed one as up(z) + mean of its references (each
   rotated back from the raw pool), then RoPE at its true position, into the scratch slots. up(z)
@@ -34,13 +38,13 @@ def _rotate(k: torch.Tensor, cos, sin, sign: float) -> torch.Tensor:
 # ---------------------------------------------------------------- gather_x
 
 def gather_x_ref(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
-                 cos_sin_cache: torch.Tensor) -> torch.Tensor:
+                 cos_sin_cache: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """k_cache, v_cache: [num_slots, H, D] (K after RoPE); slots, positions: [n] int ->
-    x: [n, 2 * H * D] fp32 = [K before RoPE ; V], heads flattened."""
+    x: [n, 2 * H * D] = [K before RoPE ; V], heads flattened, computed in fp32 and stored as dtype."""
     cos, sin = _cos_sin(cos_sin_cache, positions)
     k = _rotate(k_cache[slots.long()], cos, sin, -1.0)
     v = v_cache[slots.long()].float()
-    return torch.cat([k.flatten(1), v.flatten(1)], dim=-1)
+    return torch.cat([k.flatten(1), v.flatten(1)], dim=-1).to(dtype)
 
 
 @jit
@@ -60,20 +64,21 @@ def _gather_x_kernel(kc_ptr, vc_ptr, slot_ptr, pos_ptr, cache_ptr, out_ptr,
     k1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
     k2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
     dst = out_ptr + i * stride_o + heads * D + cols
-    tl.store(dst, k1 * cos + k2 * sin, mask=mask)
-    tl.store(dst + HALF, k2 * cos - k1 * sin, mask=mask)
+    ty = out_ptr.dtype.element_ty
+    tl.store(dst, (k1 * cos + k2 * sin).to(ty), mask=mask)
+    tl.store(dst + HALF, (k2 * cos - k1 * sin).to(ty), mask=mask)
     vsrc = vc_ptr + slot * stride_vs + heads * stride_vh + cols
     vdst = dst + H * D
-    tl.store(vdst, tl.load(vsrc, mask=mask, other=0.0).to(tl.float32), mask=mask)
-    tl.store(vdst + HALF, tl.load(vsrc + HALF, mask=mask, other=0.0).to(tl.float32), mask=mask)
+    tl.store(vdst, tl.load(vsrc, mask=mask, other=0.0).to(tl.float32).to(ty), mask=mask)
+    tl.store(vdst + HALF, tl.load(vsrc + HALF, mask=mask, other=0.0).to(tl.float32).to(ty), mask=mask)
 
 
-def gather_x_triton(k_cache, v_cache, slots, positions, cos_sin_cache):
+def gather_x_triton(k_cache, v_cache, slots, positions, cos_sin_cache, dtype=torch.float32):
     """Same contract as gather_x_ref; one program per token."""
     n, (_, H, D) = slots.shape[0], k_cache.shape
     assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1 and cos_sin_cache.stride(-1) == 1
     assert positions.shape == (n,) and D % 2 == 0
-    out = torch.empty(n, 2 * H * D, dtype=torch.float32, device=k_cache.device)
+    out = torch.empty(n, 2 * H * D, dtype=dtype, device=k_cache.device)
     if n:
         _gather_x_kernel[(n,)](k_cache, v_cache, slots, positions, cos_sin_cache, out,
                                k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
@@ -82,44 +87,70 @@ def gather_x_triton(k_cache, v_cache, slots, positions, cos_sin_cache):
     return out
 
 
-def gather_x(k_cache, v_cache, slots, positions, cos_sin_cache):
+def gather_x(k_cache, v_cache, slots, positions, cos_sin_cache, dtype=torch.float32):
     if use_triton(k_cache):
-        return gather_x_triton(k_cache, v_cache, slots, positions, cos_sin_cache)
-    return gather_x_ref(k_cache, v_cache, slots, positions, cos_sin_cache)
+        return gather_x_triton(k_cache, v_cache, slots, positions, cos_sin_cache, dtype)
+    return gather_x_ref(k_cache, v_cache, slots, positions, cos_sin_cache, dtype)
 
 
 # ---------------------------------------------------------------- compress
 
+def shortlist(x: torch.Tensor, refs: torch.Tensor, ref_sq: torch.Tensor, ref_pos: torch.Tensor, pos: torch.Tensor,
+              size: int) -> torch.Tensor:
+    """x: [B, n, F] tokens at pos [B, n]; refs: [B, R, F] (bf16 on the GPU) at ref_pos [B, R] with
+    ref_sq [B, R] fp32 their squared norms -> [B, n, min(size, R)] indices into refs: each token's
+    `size` nearest by ||r||^2 - 2 x.r in refs' dtype (the GEMM at bf16 rate), references at or after
+    the token last. compress_block ranks the shortlist exactly; a true neighbour misses it only if
+    bf16 rounding moves `size` others past it, far more than the distances' usual gaps."""
+    dots = torch.bmm(x.to(refs.dtype), refs.transpose(1, 2)).float()
+    score = (ref_sq.unsqueeze(1) - 2.0 * dots).masked_fill(ref_pos.long().unsqueeze(1) >= pos.long().unsqueeze(2),
+                                                            float("inf"))
+    return score.topk(min(size, refs.shape[1]), dim=-1, largest=False).indices
+
+
 def compress_block(x: torch.Tensor, refs: torch.Tensor, ref_pos: torch.Tensor, pos: torch.Tensor,
                    neighbors: int, codec, chunk: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
-    """x: [B, n, F] fp32 tokens at positions pos [B, n]; refs: [B, R, F] fp32 at ref_pos [B, R] ->
-    (z [B, n, latent] fp32, nbr [B, n, neighbors] int32: the references' positions, -1 where fewer
-    than `neighbors` lie before the token). B requests compressed together (one batched GEMM a
-    layer, not one per request); a single request may drop the B axis. Only references strictly
-    before a token count (causal), so padding is free: a padding reference at a position after every
-    token is never chosen, a padding token at position -1 chooses none. Chunks of `chunk` tokens
-    bound the [B, n, R] score matrix (128K x 12.8K would not fit)."""
+    """x: [B, n, F] fp32 tokens at positions pos [B, n]; refs: [B, R, F] fp32 at ref_pos [B, R],
+    shared by the request's tokens, or [B, n, L, F] at [B, n, L], each token's own candidates (a
+    shortlist) -> (z [B, n, latent] fp32, nbr [B, n, neighbors] int32: the references' positions,
+    -1 where fewer than `neighbors` lie before the token). B requests compressed together (one
+    batched GEMM a layer, not one per request); a single request may drop the B axis. Only
+    references strictly before a token count (causal), so padding is free: a padding reference at a
+    position after every token is never chosen, a padding token at position -1 chooses none. Chunks
+    of `chunk` tokens bound the [B, n, R] score matrix (128K x 12.8K would not fit)."""
     if x.dim() == 2:
         z, nbr = compress_block(x[None], refs[None], ref_pos[None], pos[None], neighbors, codec, chunk)
         return z[0], nbr[0]
+    per_token = refs.dim() == 4
+    B, F = x.shape[0], x.shape[-1]
     zs, nbrs = [], []
-    k = min(neighbors, refs.shape[1])
-    # L2 order without torch.cdist: ||x - r||^2 = ||x||^2 + ||r||^2 - 2 x.r, and ||x||^2 is the same
-    # for every reference of a token, so ||r||^2 - 2 x.r orders them alike. cdist pads the GEMM's K
-    # to F + 2, which sent a 128K x 4 decode compression on the H200 to a slow fp32 kernel.
-    ref_sq = torch.linalg.vector_norm(refs, dim=-1).square().unsqueeze(1)        # [B, 1, R], no [B, R, F] temporary
+    k = min(neighbors, refs.shape[-2])
+    if not per_token:
+        # L2 order without torch.cdist: ||x - r||^2 = ||x||^2 + ||r||^2 - 2 x.r, and ||x||^2 is the
+        # same for every reference of a token, so ||r||^2 - 2 x.r orders them alike. cdist pads the
+        # GEMM's K to F + 2, which sent a 128K x 4 decode compression on the H200 to a slow fp32 kernel.
+        ref_sq = torch.linalg.vector_norm(refs, dim=-1).square().unsqueeze(1)    # [B, 1, R], no [B, R, F] temporary
     for s in range(0, x.shape[1], chunk):
         xc, pc = x[:, s:s + chunk], pos[:, s:s + chunk].long()
-        score = torch.baddbmm(ref_sq, xc, refs.transpose(1, 2), alpha=-2.0)
-        score = score.masked_fill(ref_pos.long().unsqueeze(1) >= pc.unsqueeze(2), float("inf"))
+        c = xc.shape[1]
+        if per_token:   # a few candidates a token: the same order, one small GEMM per token
+            rc, rp = refs[:, s:s + chunk], ref_pos[:, s:s + chunk].long()
+            L = rc.shape[2]
+            c_sq = torch.linalg.vector_norm(rc, dim=-1).square().view(B * c, 1, L)
+            score = torch.baddbmm(c_sq, xc.reshape(B * c, 1, F), rc.reshape(B * c, L, F).transpose(1, 2),
+                                  alpha=-2.0).view(B, c, L)
+        else:
+            rc, rp = refs.unsqueeze(1).expand(B, c, -1, F), ref_pos.long().unsqueeze(1).expand(B, c, -1)
+            score = torch.baddbmm(ref_sq, xc, refs.transpose(1, 2), alpha=-2.0)     # [B, c, R]
+        score = score.masked_fill(rp >= pc.unsqueeze(2), float("inf"))
         d, idx = score.topk(k, dim=-1, largest=False)                           # [B, c, k]
         ok = torch.isfinite(d)
-        picked = torch.gather(refs, 1, idx.flatten(1).unsqueeze(-1).expand(-1, -1, refs.shape[-1]))
-        r = (picked.view(*idx.shape, -1) * ok.unsqueeze(-1)).sum(2) / ok.sum(2, keepdim=True).clamp(min=1)
+        picked = torch.gather(rc, 2, idx.unsqueeze(-1).expand(-1, -1, -1, F))   # [B, c, k, F]
+        r = (picked * ok.unsqueeze(-1)).sum(2) / ok.sum(2, keepdim=True).clamp(min=1)
         with torch.no_grad():
             dt = _param_dtype(codec)
             zs.append(codec.encode(xc.to(dt), r.to(dt)).float())
-        nbr = torch.where(ok, torch.gather(ref_pos.long(), 1, idx.flatten(1)).view(idx.shape), -1).to(torch.int32)
+        nbr = torch.where(ok, torch.gather(rp, 2, idx), -1).to(torch.int32)
         if k < neighbors:
             nbr = torch.cat([nbr, nbr.new_full((*nbr.shape[:2], neighbors - k), -1)], dim=-1)
         nbrs.append(nbr)

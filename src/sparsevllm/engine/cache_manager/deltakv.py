@@ -50,7 +50,10 @@ Deviations:
   reference means, the rotations and the scratch writes.
 - Prefill compresses chunk by chunk, so a chunk after the first reads the compressed part of its
   prefix rebuilt from the latents rather than raw (this is what bounds a long prompt's raw memory).
-- The nearest references are found in fp32 by cdist, a chunk of tokens at a time.
+- The nearest references are ranked in fp32, a chunk of tokens at a time. On the GPU a bf16 GEMM
+  first shortlists 32 candidates a token and only those are ranked in fp32 (the fp32 GEMM against
+  every reference was ~half of a 128K x 4 decode compression); a true neighbour is lost only if bf16
+  rounding moves 32 others past it.
 """
 import logging
 import math
@@ -67,7 +70,7 @@ from sparsevllm.engine.sequence import Sequence
 from sparsevllm.engine.staging import HostStaging, to_device
 from sparsevllm.engine.step import DecodeView, PrefillView, StepState
 from sparsevllm.forward_context import get_forward_context
-from sparsevllm.kernels.deltakv import compress_block, gather_x, reconstruct
+from sparsevllm.kernels.deltakv import compress_block, gather_x, reconstruct, shortlist
 from sparsevllm.kernels.omnikv import select_tokens
 from sparsevllm.kernels.rope_store import rope_store
 from sparsevllm.models.config import ModelConfig
@@ -75,6 +78,8 @@ from sparsevllm.models.config import ModelConfig
 logger = logging.getLogger(__name__)
 COMPRESS_CHUNK = 8192   # tokens compressed together: [8192, 2 H D] fp32 + [8192, refs] distances
 COMPRESS_REFS = 65536   # references a compression batch gathers: [65536, 2 H D] fp32 (512 MiB at 8 x 128)
+SHORTLIST = 32          # GPU: candidates a token keeps from the bf16 ranking, then ranked exactly in fp32
+SHORTLIST_TOKENS = 512  # GPU: tokens shortlisted together: [512, 32, 2 H D] fp32 candidates (64 MiB at 8 x 128)
 PREFIX_PIECE = 16384    # prefix tokens rebuilt together for a prefill chunk: bounds the up(z) GEMM's output
 
 
@@ -261,6 +266,8 @@ class DeltaKVCacheManager(CacheManager):
         width = (self.pages_for(config.max_model_len) + 1) * P
         self.positions = torch.arange(width, dtype=torch.int32, device=device).view(1, width)
         self.cos_sin = None   # the rotary table, seen at the first store_kv
+        # bf16 shortlist before the exact ranking where bf16 GEMMs are fast (tests force it on CPU)
+        self.shortlist = torch.device(device).type == "cuda"
 
     def _compressor(self) -> dc.DeltaKVCompressor:
         knobs = self.method_config
@@ -603,19 +610,30 @@ class DeltaKVCacheManager(CacheManager):
         t_rot, r_rot = t_key_d.clamp(min=0), r_key_d.where(r_key_d < (1 << 40), 0)   # rotation positions
         # Chunks of tokens bound the transient [B, chunk, F] and [B, chunk, R] tensors (a 128K prompt
         # is compressed at once), and each chunk is compared only with the references before it.
-        c = max(1, COMPRESS_CHUNK // B)
+        c = max(1, (SHORTLIST_TOKENS if self.shortlist else COMPRESS_CHUNK) // B)
         bounds = [(a, min(a + c, n), max(int(np.searchsorted(p[2], p[1][min(a + c, len(p[1])) - 1]))
                                          for p in plans if a < len(p[1])))
                   for a in range(0, n, c)]
         for i, codec in enumerate(self.codecs):
             k_cache, v_cache = self.raw.layer(i)
-            refs = gather_x(k_cache, v_cache, r_slots_d.flatten(), r_rot.flatten(), self.cos_sin).view(B, R, -1)
+            refs = gather_x(k_cache, v_cache, r_slots_d.flatten(), r_rot.flatten(), self.cos_sin,
+                            torch.bfloat16 if self.shortlist else torch.float32).view(B, R, -1)
+            if self.shortlist:
+                ref_sq = torch.linalg.vector_norm(refs, dim=-1, dtype=torch.float32).square()   # no fp32 copy of refs
             zs, nbrs = [], []
             for a, e, nref in bounds:
                 x = gather_x(k_cache, v_cache, t_slots_d[:, a:e].flatten(), t_rot[:, a:e].flatten(),
                              self.cos_sin).view(B, e - a, -1)
-                z, nbr = compress_block(x, refs[:, :nref], r_key_d[:, :nref], t_key_d[:, a:e],
-                                        knobs.deltakv_neighbors, codec)
+                if self.shortlist:   # each token's candidates, gathered again in fp32
+                    idx = shortlist(x, refs[:, :nref], ref_sq[:, :nref], r_key_d[:, :nref], t_key_d[:, a:e],
+                                    SHORTLIST).flatten(1)
+                    cand = gather_x(k_cache, v_cache, r_slots_d.gather(1, idx).flatten(),
+                                    r_rot.gather(1, idx).flatten(), self.cos_sin).view(B, e - a, -1, x.shape[-1])
+                    z, nbr = compress_block(x, cand, r_key_d.gather(1, idx).view(cand.shape[:3]), t_key_d[:, a:e],
+                                            knobs.deltakv_neighbors, codec)
+                else:
+                    z, nbr = compress_block(x, refs[:, :nref], r_key_d[:, :nref], t_key_d[:, a:e],
+                                            knobs.deltakv_neighbors, codec)
                 zs.append(z)
                 nbrs.append(nbr)
             z = torch.cat(zs, 1).flatten(0, 1)[keep]
