@@ -246,6 +246,20 @@ def test_skinny_linear_triton_matches_reference(dtype, rows, with_bias, poison):
     close(got, skinny_gemm.skinny_linear_ref(x.float(), w.float(), None if b is None else b.float()), dtype)
 
 
+@interp
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("rows", [1, 7, 16])
+def test_skinny_silu_mul_triton_matches_reference(dtype, rows, poison):
+    g = torch.Generator().manual_seed(20 + rows)
+    # I = 90 spans a partial column block (gate rows 0..89, up rows 90..179), K a partial K block.
+    x = torch.randn(1, rows, 700, generator=g).to(dtype)
+    w = (torch.randn(180, 700, generator=g) * 0.05).to(dtype)
+    got = skinny_gemm.skinny_silu_mul_triton(x, w)
+    assert got.shape == (1, rows, 90)
+    close(got, skinny_gemm.skinny_silu_mul_ref(x.float(), w.float()), dtype)
+    close(skinny_gemm.linear_silu_mul(x, w), got, dtype)     # CPU tensors: the unfused path, same values
+
+
 def test_linear_routes_only_decode_sized_steps_over_wide_weights():
     w = torch.empty(4096, 4096, dtype=torch.bfloat16)
     x = torch.empty(4, 4096, dtype=torch.bfloat16)
@@ -385,6 +399,22 @@ def test_gpu_skinny_linear_matches_cublas_on_llama_shapes_bf16():
             assert skinny_gemm.takes(x, w)
             want = torch.nn.functional.linear(x.float(), w.float(), None if b is None else b.float())
             close(skinny_gemm.linear(x, w, b), want, bf)
+
+
+@gpu
+def test_gpu_skinny_silu_mul_equals_the_two_launches_on_llamas_gate_up_bf16():
+    """Fused epilogue == skinny GEMM then silu_and_mul: rounded at the same points, so equal bits up
+    to the order of the K sum (the same tiles walk K in the same order in both)."""
+    g = torch.Generator().manual_seed(15)
+    bf = torch.bfloat16
+    w = (torch.randn(28672, 4096, generator=g) * 0.02).cuda().to(bf)
+    for rows in (1, 4, 16):
+        x = torch.randn(rows, 4096, generator=g).cuda().to(bf)
+        assert skinny_gemm.takes(x, w)
+        want = silu_mul.silu_and_mul(skinny_gemm.linear(x, w))
+        got = skinny_gemm.linear_silu_mul(x, w)
+        close(got, want, bf)
+        close(got, skinny_gemm.skinny_silu_mul_ref(x.float(), w.float()), bf)
 
 
 @gpu

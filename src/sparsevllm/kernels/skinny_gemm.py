@@ -12,11 +12,15 @@ in launch_config takes them for qkv, o_proj and down, near ones for gate_up and 
 57.0 -> 56.7 / 61.0 -> 56.9, down 31.0 -> 29.7 / 31.3 -> 29.9, LM head 246 -> 236 / 248 -> 238. At
 32 rows cuBLAS is as fast or faster, so the kernel takes only steps of at most MAX_ROWS rows, and
 only weights wide enough to give every SM a program (smaller models keep cuBLAS).
+
+The MLP's gate_up goes through linear_silu_mul: the same kernel with SiLU(gate) * up in its
+epilogue, so a decode step has no separate activation launch and no [M, 2I] intermediate.
 """
 import torch
 import torch.nn.functional as F
 
 from sparsevllm.kernels.common import dot_precision, jit, tl, upcast_loads, use_triton
+from sparsevllm.kernels.silu_mul import silu_and_mul, silu_and_mul_ref
 
 MAX_ROWS = 16          # rows of x the kernel takes (one 16-row tensor-core tile)
 MIN_N, MIN_K = 4096, 2048   # below these cuBLAS keeps the shape: too few programs / too little to stream
@@ -29,28 +33,43 @@ def skinny_linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
 
 @jit
 def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
-                   HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   UPCAST: tl.constexpr, DOT_PREC: tl.constexpr):
+                   HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr):
+    # SILU_MUL: the weight is [gate; up] with N rows each, y = silu(x @ gate.T) * (x @ up.T) [M, N];
+    # a program streams gate rows `cols` and up rows N + `cols` together.
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.arange(0, BLOCK_M)
     ks = tl.arange(0, BLOCK_K)
     col_ok = cols < N
     row_ok = rows < M
     w_rows = w_ptr + cols[:, None].to(tl.int64) * stride_wn   # int64: N * K passes 2^31 for an LM head
+    u_rows = w_rows + N.to(tl.int64) * stride_wn
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + ks
         k_ok = k < K
-        w = tl.load(w_rows + k[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+        w_ok = col_ok[:, None] & k_ok[None, :]
+        w = tl.load(w_rows + k[None, :], mask=w_ok, other=0.0)
         x = tl.load(x_ptr + rows[:, None] * stride_xm + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        if SILU_MUL:
+            u = tl.load(u_rows + k[None, :], mask=w_ok, other=0.0)
+            if UPCAST:
+                u = u.to(tl.float32)
         if UPCAST:
             w = w.to(tl.float32)
             x = x.to(tl.float32)
         acc += tl.dot(x, tl.trans(w), input_precision=DOT_PREC)
+        if SILU_MUL:
+            acc_up += tl.dot(x, tl.trans(u), input_precision=DOT_PREC)
     if HAS_BIAS:
         acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    tl.store(y_ptr + rows[:, None] * stride_ym + cols[None, :], acc.to(y_ptr.dtype.element_ty),
-             mask=row_ok[:, None] & col_ok[None, :])
+    ty = y_ptr.dtype.element_ty
+    if SILU_MUL:   # rounded where the GEMM and then silu_and_mul round: the same bits as two launches
+        gate = acc.to(ty).to(tl.float32)
+        act = (gate / (1.0 + tl.exp(-gate))).to(ty).to(tl.float32)
+        acc = act * acc_up.to(ty).to(tl.float32)
+    tl.store(y_ptr + rows[:, None] * stride_ym + cols[None, :], acc.to(ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
 def launch_config(n: int) -> tuple[int, int, int, int]:
@@ -71,7 +90,32 @@ def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     block_n, block_k, warps, stages = launch_config(N)
     _skinny_kernel[(-(-N // block_n),)](
         x2, weight, bias if bias is not None else weight, y, M, N, K, x2.stride(0), weight.stride(0), y.stride(0),
-        HAS_BIAS=bias is not None, BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k,
+        HAS_BIAS=bias is not None, SILU_MUL=False, BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k,
+        UPCAST=upcast_loads(x.dtype), DOT_PREC=dot_precision(x.dtype), num_warps=warps, num_stages=stages)
+    return y.view(*x.shape[:-1], N)
+
+
+def skinny_silu_mul_ref(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x: [..., K]; weight: [2I, K] = [gate; up] -> silu(x @ gate.T) * (x @ up.T): [..., I]."""
+    return silu_and_mul_ref(F.linear(x, weight))
+
+
+def skinny_silu_mul_triton(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Same contract as skinny_silu_mul_ref, for at most MAX_ROWS rows: the MLP's gate_up GEMM with
+    the activation in its epilogue (one launch, no [M, 2I] intermediate)."""
+    N2, K = weight.shape
+    N = N2 // 2
+    x2 = x.reshape(-1, K)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    M = x2.shape[0]
+    assert M <= MAX_ROWS and weight.stride(-1) == 1 and x.shape[-1] == K and N2 == 2 * N
+    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    block_n, block_k, warps, stages = launch_config(N2)
+    block_n //= 2   # a program streams block_n // 2 gate rows and as many up rows: the same tile as gate_up
+    _skinny_kernel[(-(-N // block_n),)](
+        x2, weight, weight, y, M, N, K, x2.stride(0), weight.stride(0), y.stride(0),
+        HAS_BIAS=False, SILU_MUL=True, BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k,
         UPCAST=upcast_loads(x.dtype), DOT_PREC=dot_precision(x.dtype), num_warps=warps, num_stages=stages)
     return y.view(*x.shape[:-1], N)
 
@@ -81,6 +125,13 @@ def takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
     N, K = weight.shape
     return (use_triton(x) and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype
             and weight.stride(-1) == 1 and x.numel() <= MAX_ROWS * K and N >= MIN_N and K >= MIN_K)
+
+
+def linear_silu_mul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """silu_and_mul(F.linear(x, weight)) for a [gate; up] weight, fused for decode-sized steps."""
+    if takes(x, weight):
+        return skinny_silu_mul_triton(x, weight)
+    return silu_and_mul(F.linear(x, weight))
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from sparsevllm.distributed import tp_rank, tp_size
-from sparsevllm.kernels.skinny_gemm import linear
+from sparsevllm.kernels.skinny_gemm import linear, linear_silu_mul
 
 
 def narrow(loaded, dim: int, start: int, n: int) -> torch.Tensor:
@@ -60,6 +60,11 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         n = self.sizes[shard_id] // self.tp_size
         off = sum(self.sizes[:shard_id]) // self.tp_size
         param.data.narrow(0, off, n).copy_(narrow(loaded, 0, self.tp_rank * n, n))
+
+    def silu_mul(self, x):
+        """SiLU(gate) * up of this projection ([gate_r | up_r] on every rank), fused on decode steps."""
+        assert self.bias is None and len(self.sizes) == 2 and self.sizes[0] == self.sizes[1]
+        return linear_silu_mul(x, self.weight)
 
 
 class QKVParallelLinear(ColumnParallelLinear):

@@ -8,7 +8,6 @@ one rank every parallel layer is a plain linear."""
 import torch
 from torch import nn
 
-from sparsevllm.layers.activation import SiluAndMul
 from sparsevllm.layers.attention import Attention
 from sparsevllm.layers.layernorm import RMSNorm
 from sparsevllm.layers.parallel_linear import (MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear,
@@ -47,10 +46,9 @@ class MLP(nn.Module):
         super().__init__()
         self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, bias=False)
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, bias=False)
-        self.act = SiluAndMul()
 
     def forward(self, x):
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+        return self.down_proj(self.gate_up_proj.silu_mul(x))
 
 
 class DecoderLayer(nn.Module):
