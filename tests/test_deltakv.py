@@ -107,6 +107,7 @@ def test_default_full_layers_are_the_papers_scaled_to_the_depth():
     (dict(load_format="dummy", deltakv_sink=0), "deltakv_sink=0 is invalid"),
     (dict(load_format="dummy", deltakv_recent=0), "deltakv_recent=0 is invalid"),
     (dict(load_format="dummy", deltakv_decode_keep=0), "deltakv_decode_keep=0 is invalid"),
+    (dict(load_format="dummy", deltakv_compress_windows=0), "deltakv_compress_windows=0 is invalid"),
 ])
 def test_bad_knobs_are_rejected_before_any_model_loads(knobs, msg):
     with pytest.raises(ValueError, match=msg):
@@ -338,9 +339,10 @@ def test_deltakv_equals_vanilla_when_nothing_is_compressed(tiny_model, tmp_path,
     assert run(llm, ps) == want and log["tokens"] == 0
 
 
-@pytest.mark.parametrize("lengths,chunk", [([300], 4096), ([300, 170, 45], 4096), ([230, 301], 64)])
+@pytest.mark.parametrize("lengths,chunk,windows", [([300], 4096, 1), ([300, 170, 45], 4096, 1), ([230, 301], 64, 1),
+                                                  ([300, 170, 45], 4096, 3), ([230, 301], 64, 2)])
 def test_deltakv_equals_vanilla_when_decode_keep_covers_every_compressed_token(tiny_model, tmp_path, lengths, chunk,
-                                                                              monkeypatch):
+                                                                              windows, monkeypatch):
     from sparsevllm.engine.cache_manager import deltakv
     monkeypatch.setattr(deltakv, "COMPRESS_CHUNK", 16)   # a long prompt's compression runs in chunks
     path = model(tiny_model)
@@ -349,10 +351,52 @@ def test_deltakv_equals_vanilla_when_decode_keep_covers_every_compressed_token(t
     sp = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)   # decode compresses too
     want = run(LLM(path, device="cpu", chunk_prefill_size=chunk), ps, sp)
     llm = LLM(path, vllm_sparse_method="deltakv", device="cpu", deltakv_compressor_path=comp,
-              chunk_prefill_size=chunk, deltakv_decode_keep=512, **SMALL)
+              chunk_prefill_size=chunk, deltakv_decode_keep=512, deltakv_compress_windows=windows, **SMALL)
     log = count_compressions(llm)
     assert run(llm, ps, sp) == want
     assert log["tokens"] > sum(lengths) // 2          # most of the context went through the latents
+
+
+def test_compress_windows_takes_several_windows_a_time_and_the_same_latents(tiny_model, tmp_path):
+    """deltakv_compress_windows = 3: decode compresses 3 windows at once when the raw tail reaches 4
+    (a third of the events), the tail never holds more, and a token compressed under both settings
+    gets the same latent and references (they depend on the token and the raw references only; the
+    identity compressor and a keep covering everything make both runs generate the same tokens)."""
+    path = model(tiny_model)
+    comp = compressor(path, tmp_path / "c", "identity")
+    ps = prompts([150, 97], seed=9)
+    sp = SamplingParams(temperature=0.0, max_tokens=120, ignore_eos=True)
+    w, sink = SMALL["deltakv_recent"], SMALL["deltakv_sink"]
+    seen = {}
+    for m in (1, 3):
+        llm = LLM(path, vllm_sparse_method="deltakv", device="cpu", deltakv_compressor_path=comp,
+                  deltakv_decode_keep=512, deltakv_compress_windows=m, **SMALL)
+        cm = llm.engine.cache_manager
+        log, tails, compress = {"sizes": []}, [], cm._compress
+
+        def counted(jobs, compress=compress, log=log):
+            log["sizes"] += [end - start for _, _, start, end in jobs]
+            return compress(jobs)
+        cm._compress = counted
+        end_step = cm.on_step_end
+
+        def watched(step, end_step=end_step, cm=cm):
+            end_step(step)
+            tails.extend(s.cache_len + n - cm.requests[s.seq_id].comp_end for s, n in zip(step.seqs, step.num_tokens))
+        cm.on_step_end = watched
+        for p in ps:
+            llm.generate([p], sp, use_tqdm=False)          # alone: the slots of a token equal across runs
+            seen[m, len(seen)] = (cm.latents.clone(), cm.neighbors.clone())
+        decode_sizes = [x for x in log["sizes"] if x == m * w]
+        assert max(tails) < (m + 1) * w and decode_sizes
+        assert sum(cm.method_config.compressed_until(len(p), len(p) + 120) - sink for p in ps) == sum(log["sizes"])
+        assert cm.raw_slots.num_free == cm.raw_slots.num_slots
+    for i in range(2):
+        (lat1, nbr1), (lat3, nbr3) = seen[1, i], seen[3, i + 2]
+        both = (nbr1[..., 0] >= 0) & (nbr3[..., 0] >= 0)    # compressed in both runs
+        assert both.sum() > 100
+        assert torch.equal(nbr1[both], nbr3[both])
+        torch.testing.assert_close(lat1[both], lat3[both], atol=1e-5, rtol=1e-5)
 
 
 def test_requests_compressed_together_equal_one_at_a_time(tiny_model, tmp_path, monkeypatch):

@@ -20,23 +20,23 @@ Storage (the layout is this method's own):
   latents and reference positions beside it (a token's latent lives at its full-layer slot);
 - a raw pool for the sparse layers with one-token slots: a token holds a slot until it is
   compressed, references and the sink forever; the slot allocator is a free stack on the host;
-  room for one prefill step's new tokens and every request's sink and two windows is reserved;
+  room for one prefill step's new tokens and every request's sink and raw tail is reserved;
 - per running request, a device row mapping position -> raw slot (-1: compressed), which the
   decode kernels read inside graphs;
-- one scratch of max_num_seqs x (sink + decode_keep + 2 windows) token slots, shared by the sparse
+- one scratch of max_num_seqs x (sink + decode_keep + raw tail) token slots, shared by the sparse
   layers (each fills it just before its attention); a prefill chunk's rebuilt prefix (one layer,
   made per step) is counted as max_model_len more.
 Admission and `bytes_per_page` count exactly these.
 
 When compression runs: in `on_step_end`, after every step (prefill chunks included), for a request
-whose raw tail has reached two windows: the oldest whole windows are compressed, leaving one window
-raw; the requests of one step are compressed together, as one padded batch. Bookkeeping is
+whose raw tail has reached `deltakv_compress_windows` + 1 windows (default 2): the oldest whole
+windows are compressed, leaving one window raw; the requests of one step are compressed together, as one padded batch. Bookkeeping is
 planned on the host from counters the host knows; the device work (gathers, nearest references, the
 GEMMs) is queued after the step's forward and never synchronises. Prefill
 is chunked: a chunk after the first attends (densely, unchanged math otherwise) to its prefix as the
 sparse layers hold it, the compressed tokens rebuilt into a per-step scratch, as the compressor was
 trained (attention over reconstructed KV). So a long prompt never sits raw in the sparse layers
-beyond one chunk and two windows.
+beyond one chunk and its raw tail.
 
 Deviations:
 - Prefix caching is off (capabilities): a hit would share full-layer pages but not the sparse
@@ -97,6 +97,7 @@ class DeltaKVConfig(MethodConfig):
     deltakv_sink: int = 8                          # first tokens, raw and references
     deltakv_recent: int = 128                      # raw window; compression moves in blocks of it
     deltakv_decode_keep: int = 2048                # compressed tokens reconstructed per decode step
+    deltakv_compress_windows: int = 1              # windows a decode-time compression takes at once
 
     def validate(self, engine: EngineConfig) -> None:
         def need(ok, knob, valid):
@@ -120,6 +121,8 @@ class DeltaKVConfig(MethodConfig):
         need(_is_int(self.deltakv_recent) and self.deltakv_recent >= 1, "deltakv_recent", "an integer >= 1")
         need(_is_int(self.deltakv_decode_keep) and self.deltakv_decode_keep >= 1, "deltakv_decode_keep",
              "an integer >= 1")
+        need(_is_int(self.deltakv_compress_windows) and self.deltakv_compress_windows >= 1,
+             "deltakv_compress_windows", "an integer >= 1")
         path = self.deltakv_compressor_path
         if path is None:
             if engine.load_format != "dummy":
@@ -137,9 +140,27 @@ class DeltaKVConfig(MethodConfig):
         return max(1, round(1.0 / self.deltakv_cluster_ratio))
 
     @property
+    def max_tail(self) -> int:
+        """The raw tail's bound: compression runs once it holds deltakv_compress_windows + 1 windows
+        and leaves one (a compression event reads every reference of the request, so more windows a
+        time means fewer of those passes, at the price of raw memory and attention over the tail)."""
+        return (self.deltakv_compress_windows + 1) * self.deltakv_recent
+
+    def compressed_until(self, prompt_len: int, length: int) -> int:
+        """Where the compressed part ends once a request of prompt_len tokens holds `length`: the
+        prefill compresses every whole window but the last, decode compress_windows windows at a time."""
+        sink, w, m = self.deltakv_sink, self.deltakv_recent, self.deltakv_compress_windows
+        end = sink
+        if min(prompt_len, length) - end >= self.max_tail:
+            end += (min(prompt_len, length) - w - end) // w * w
+        if length - end >= self.max_tail:
+            end += ((length - end - self.max_tail) // (m * w) + 1) * m * w
+        return end
+
+    @property
     def view_capacity(self) -> int:
-        """Decode-view entries per request: sink + selected + the raw tail (at most two windows)."""
-        return self.deltakv_sink + self.deltakv_decode_keep + 2 * self.deltakv_recent + 1
+        """Decode-view entries per request: sink + selected + the raw tail."""
+        return self.deltakv_sink + self.deltakv_decode_keep + self.max_tail + 1
 
 
 def layer_roles(num_layers: int, full_layers: list[int]) -> list[tuple[str, int]]:
@@ -163,9 +184,9 @@ def _sizes(config: EngineConfig, num_layers: int, num_kv_heads: int, head_dim: i
     token = 2 * num_kv_heads * head_dim * elt                      # one token's K + V in one layer
     latent = n_sparse * ((knobs.deltakv_latent_dim or 128) * elt + 4 * knobs.deltakv_neighbors)
     # Raw slots no request can do without: a prefill step's new tokens (raw until its end), and every
-    # running request's sink and two windows. Scratch: the decode views of a full batch, and the
+    # running request's sink and raw tail. Scratch: the decode views of a full batch, and the
     # reconstructed prefix of a prefill chunk (one layer of max_model_len tokens, made per step).
-    fixed_raw = config.max_num_batched_tokens + config.max_num_seqs * (knobs.deltakv_sink + 2 * knobs.deltakv_recent + 1)
+    fixed_raw = config.max_num_batched_tokens + config.max_num_seqs * (knobs.deltakv_sink + knobs.max_tail + 1)
     scratch = (config.max_num_seqs * knobs.view_capacity + config.max_model_len) * token
     return dict(n_full=n_full, n_sparse=n_sparse, token=token, steady=n_full * token + latent
                 + n_sparse * token / knobs.stride, raw_slot=n_sparse * token, fixed_raw=fixed_raw,
@@ -342,8 +363,8 @@ class DeltaKVCacheManager(CacheManager):
         reconstructed token its latent and its references (distinct references at most)."""
         knobs = config.method_config
         n_full, n_sparse = cls._layer_counts(config, num_layers)
-        sink, w = knobs.deltakv_sink, knobs.deltakv_recent
-        compressed = max(0, (cache_len - sink - w) // w * w) if cache_len - sink >= 2 * w else 0
+        sink = knobs.deltakv_sink
+        compressed = knobs.compressed_until(prompt_len, cache_len) - sink
         kept = min(knobs.deltakv_decode_keep, compressed)
         refs = min(kept * knobs.deltakv_neighbors, sink + compressed // knobs.stride)
         latent_tokens = kept * ((knobs.deltakv_latent_dim or 128) + 2 * knobs.deltakv_neighbors) / 2048
@@ -358,18 +379,18 @@ class DeltaKVCacheManager(CacheManager):
         knobs = config.method_config
         n_full, n_sparse = cls._layer_counts(config, None)
         total = prompt_len + output_len
-        compressed = max(0, total - knobs.deltakv_sink - 2 * knobs.deltakv_recent)
+        compressed = max(0, total - knobs.deltakv_sink - knobs.max_tail)
         per_sparse = total - compressed + compressed / knobs.stride + compressed * (knobs.deltakv_latent_dim or 128) / 2048
         return math.ceil((n_full * total + n_sparse * per_sparse) / (n_full + n_sparse))
 
     # ---- capacity and lifecycle --------------------------------------------------------------
     def can_admit(self, seq: Sequence) -> bool:
-        # Raw room for its references, its sink and two windows and one chunk, after the references
+        # Raw room for its references, its sink and raw tail and one chunk, after the references
         # the prompts still prefilling will keep (else their next chunk would preempt them).
         knobs = self.method_config
-        stride, w = knobs.stride, knobs.deltakv_recent
+        stride = knobs.stride
         pending = sum(max(0, r.prompt_end - r.upto) // stride for r in self.requests.values())
-        need = min(len(seq) + 1, knobs.deltakv_sink + 2 * w + self.config.chunk_prefill_size) + len(seq) // stride
+        need = min(len(seq) + 1, knobs.deltakv_sink + knobs.max_tail + self.config.chunk_prefill_size) + len(seq) // stride
         return (bool(self.free_rows) and self.raw_slots.num_free - pending >= need
                 and self.pages_for(len(seq) + 1) <= self.allocator.num_free)
 
@@ -556,7 +577,7 @@ class DeltaKVCacheManager(CacheManager):
         for seq, n in zip(step.seqs, step.num_tokens):
             req = self.requests[seq.seq_id]
             length = seq.cache_len + n
-            if length - req.comp_end >= 2 * w:
+            if length - req.comp_end >= self.method_config.max_tail:
                 jobs.append((seq, req, req.comp_end, req.comp_end + (length - w - req.comp_end) // w * w))
         # Decode steps age out one window in many requests at once: compress those together (one
         # launch sequence a layer; one request at a time cost a 128K x 4 decode step 153 ms on the
