@@ -30,13 +30,13 @@ Admission and `bytes_per_page` count exactly these.
 
 When compression runs: in `on_step_end`, after every step (prefill chunks included), for a request
 whose raw tail has reached `deltakv_compress_windows` + 1 windows (default 2): the oldest whole
-windows are compressed, leaving one window raw; the requests of one step are compressed together, as one padded batch. Bookkeeping is
-planned on the host from counters the host knows; the device work (gathers, nearest references, the
-GEMMs) is queued after the step's forward and never synchronises. Prefill
-is chunked: a chunk after the first attends (densely, unchanged math otherwise) to its prefix as the
-sparse layers hold it, the compressed tokens rebuilt into a per-step scratch, as the compressor was
-trained (attention over reconstructed KV). So a long prompt never sits raw in the sparse layers
-beyond one chunk and its raw tail.
+windows are compressed, leaving one window raw; the requests of one step are compressed together,
+as one padded batch. Bookkeeping is planned on the host from counters the host knows; the device
+work (gathers, nearest references, the GEMMs) is queued after the step's forward and never
+synchronises. Prefill is chunked: a chunk after the first attends (densely, unchanged math
+otherwise) to its prefix as the sparse layers hold it, the compressed tokens rebuilt into a
+per-step scratch, as the compressor was trained (attention over reconstructed KV). So a long prompt
+never sits raw in the sparse layers beyond one chunk and its raw tail.
 
 Deviations:
 - Prefix caching is off (capabilities): a hit would share full-layer pages but not the sparse
