@@ -215,11 +215,14 @@ def test_shortlist_then_exact_ranking_equals_the_full_ranking():
 
 
 def test_engine_with_the_shortlist_equals_the_full_ranking(tiny_model, tmp_path, monkeypatch):
-    """The shortlist path (on by default on the GPU) forced on the CPU: same references, latents and
-    tokens as ranking every reference in fp32, with a shortlist shorter than the references."""
+    """The shortlist path (on by default on the GPU for decode-time compressions) forced on the CPU:
+    same references, latents and tokens as ranking every reference in fp32, with a shortlist shorter
+    than the references; prefill chunks (more tokens a request than SHORTLIST_TOKENS) rank fully."""
     from sparsevllm.engine.cache_manager import deltakv
     monkeypatch.setattr(deltakv, "SHORTLIST", 8)
-    monkeypatch.setattr(deltakv, "SHORTLIST_TOKENS", 64)   # several chunks a prefill
+    monkeypatch.setattr(deltakv, "SHORTLIST_TOKENS", 64)   # decode windows: shortlist, in several rounds
+    rounds = []
+    monkeypatch.setattr(deltakv, "shortlist", lambda x, *a: rounds.append(x.shape) or kd.shortlist(x, *a))
     path = model(tiny_model)
     comp = compressor(path, tmp_path / "c", "random", latent=4)
     ps = prompts([300, 132, 200], seed=8)
@@ -233,6 +236,7 @@ def test_engine_with_the_shortlist_equals_the_full_ranking(tiny_model, tmp_path,
         results.append((run(llm, ps, sp), cm))
     (full, cm_f), (short, cm_s) = results
     assert cm_s.neighbors.ge(0).sum() > 100        # many tokens were compressed
+    assert rounds and max(b * n for b, n, _ in rounds) <= 64    # the shortlist ran, on decode windows only
     assert torch.equal(cm_f.neighbors, cm_s.neighbors)
     torch.testing.assert_close(cm_f.latents, cm_s.latents, atol=1e-5, rtol=1e-5)
     assert full == short

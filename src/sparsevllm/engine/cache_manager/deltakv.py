@@ -50,10 +50,11 @@ Deviations:
   reference means, the rotations and the scratch writes.
 - Prefill compresses chunk by chunk, so a chunk after the first reads the compressed part of its
   prefix rebuilt from the latents rather than raw (this is what bounds a long prompt's raw memory).
-- The nearest references are ranked in fp32, a chunk of tokens at a time. On the GPU a bf16 GEMM
-  first shortlists 32 candidates a token and only those are ranked in fp32 (the fp32 GEMM against
-  every reference was ~half of a 128K x 4 decode compression); a true neighbour is lost only if bf16
-  rounding moves 32 others past it.
+- The nearest references are ranked in fp32, a chunk of tokens at a time. On the GPU, when each
+  request compresses at most 512 tokens (decode steps), a bf16 GEMM first shortlists 32 candidates a
+  token and only those are ranked in fp32 (the fp32 GEMM against every reference was ~half of a
+  128K x 4 decode compression); a true neighbour is lost only if bf16 rounding moves 32 others past
+  it.
 """
 import logging
 import math
@@ -79,7 +80,8 @@ logger = logging.getLogger(__name__)
 COMPRESS_CHUNK = 8192   # tokens compressed together: [8192, 2 H D] fp32 + [8192, refs] distances
 COMPRESS_REFS = 65536   # references a compression batch gathers: [65536, 2 H D] fp32 (512 MiB at 8 x 128)
 SHORTLIST = 32          # GPU: candidates a token keeps from the bf16 ranking, then ranked exactly in fp32
-SHORTLIST_TOKENS = 512  # GPU: tokens shortlisted together: [512, 32, 2 H D] fp32 candidates (64 MiB at 8 x 128)
+SHORTLIST_TOKENS = 512  # GPU: the most tokens a request may compress for the shortlist, and tokens shortlisted
+                        # together: [512, 32, 2 H D] fp32 candidates (64 MiB at 8 x 128)
 PREFIX_PIECE = 16384    # prefix tokens rebuilt together for a prefill chunk: bounds the up(z) GEMM's output
 
 
@@ -287,7 +289,8 @@ class DeltaKVCacheManager(CacheManager):
         width = (self.pages_for(config.max_model_len) + 1) * P
         self.positions = torch.arange(width, dtype=torch.int32, device=device).view(1, width)
         self.cos_sin = None   # the rotary table, seen at the first store_kv
-        # bf16 shortlist before the exact ranking where bf16 GEMMs are fast (tests force it on CPU)
+        # bf16 shortlist before the exact ranking of decode-time compressions, where bf16 GEMMs are
+        # fast (tests force it on CPU)
         self.shortlist = torch.device(device).type == "cuda"
 
     def _compressor(self) -> dc.DeltaKVCompressor:
@@ -631,21 +634,26 @@ class DeltaKVCacheManager(CacheManager):
         t_rot, r_rot = t_key_d.clamp(min=0), r_key_d.where(r_key_d < (1 << 40), 0)   # rotation positions
         # Chunks of tokens bound the transient [B, chunk, F] and [B, chunk, R] tensors (a 128K prompt
         # is compressed at once), and each chunk is compared only with the references before it.
-        c = max(1, (SHORTLIST_TOKENS if self.shortlist else COMPRESS_CHUNK) // B)
+        # The shortlist pays where a pass over every reference serves few tokens (a decode step's
+        # windows). A prefill chunk's thousands of tokens keep the full fp32 ranking: one dense GEMM
+        # beats 16 shortlist rounds of candidate gathers (with the shortlist there too, 128K x 4
+        # prefill fell from 5,200 to 4,700 tok/s on the H200).
+        short = self.shortlist and n <= SHORTLIST_TOKENS
+        c = max(1, (SHORTLIST_TOKENS if short else COMPRESS_CHUNK) // B)
         bounds = [(a, min(a + c, n), max(int(np.searchsorted(p[2], p[1][min(a + c, len(p[1])) - 1]))
                                          for p in plans if a < len(p[1])))
                   for a in range(0, n, c)]
         for i, codec in enumerate(self.codecs):
             k_cache, v_cache = self.raw.layer(i)
             refs = gather_x(k_cache, v_cache, r_slots_d.flatten(), r_rot.flatten(), self.cos_sin,
-                            torch.bfloat16 if self.shortlist else torch.float32).view(B, R, -1)
-            if self.shortlist:
+                            torch.bfloat16 if short else torch.float32).view(B, R, -1)
+            if short:
                 ref_sq = torch.linalg.vector_norm(refs, dim=-1, dtype=torch.float32).square()   # no fp32 copy of refs
             zs, nbrs = [], []
             for a, e, nref in bounds:
                 x = gather_x(k_cache, v_cache, t_slots_d[:, a:e].flatten(), t_rot[:, a:e].flatten(),
                              self.cos_sin).view(B, e - a, -1)
-                if self.shortlist:   # each token's candidates, gathered again in fp32
+                if short:   # each token's candidates, gathered again in fp32
                     idx = shortlist(x, refs[:, :nref], ref_sq[:, :nref], r_key_d[:, :nref], t_key_d[:, a:e],
                                     SHORTLIST).flatten(1)
                     cand = gather_x(k_cache, v_cache, r_slots_d.gather(1, idx).flatten(),
