@@ -78,21 +78,28 @@ def launch_config(n: int) -> tuple[int, int, int, int]:
     return (32, 512, 4, 4) if n <= 4096 else (64, 256, 4, 4)
 
 
-def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """Same contract as skinny_linear_ref, for at most MAX_ROWS rows."""
-    N, K = weight.shape
+def _skinny(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu_mul: bool) -> torch.Tensor:
+    N2, K = weight.shape
+    N = N2 // 2 if silu_mul else N2
     x2 = x.reshape(-1, K)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     M = x2.shape[0]
-    assert M <= MAX_ROWS and weight.stride(-1) == 1 and x.shape[-1] == K
+    assert M <= MAX_ROWS and weight.stride(-1) == 1 and x.shape[-1] == K and not (silu_mul and N2 % 2)
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    block_n, block_k, warps, stages = launch_config(N)
+    block_n, block_k, warps, stages = launch_config(N2)
+    if silu_mul:   # a program streams block_n // 2 gate rows and as many up rows: the same tile as gate_up
+        block_n //= 2
     _skinny_kernel[(-(-N // block_n),)](
         x2, weight, bias if bias is not None else weight, y, M, N, K, x2.stride(0), weight.stride(0), y.stride(0),
-        HAS_BIAS=bias is not None, SILU_MUL=False, BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k,
+        HAS_BIAS=bias is not None, SILU_MUL=silu_mul, BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k,
         UPCAST=upcast_loads(x.dtype), DOT_PREC=dot_precision(x.dtype), num_warps=warps, num_stages=stages)
     return y.view(*x.shape[:-1], N)
+
+
+def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Same contract as skinny_linear_ref, for at most MAX_ROWS rows."""
+    return _skinny(x, weight, bias, False)
 
 
 def skinny_silu_mul_ref(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -103,21 +110,7 @@ def skinny_silu_mul_ref(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 def skinny_silu_mul_triton(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """Same contract as skinny_silu_mul_ref, for at most MAX_ROWS rows: the MLP's gate_up GEMM with
     the activation in its epilogue (one launch, no [M, 2I] intermediate)."""
-    N2, K = weight.shape
-    N = N2 // 2
-    x2 = x.reshape(-1, K)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
-    M = x2.shape[0]
-    assert M <= MAX_ROWS and weight.stride(-1) == 1 and x.shape[-1] == K and N2 == 2 * N
-    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    block_n, block_k, warps, stages = launch_config(N2)
-    block_n //= 2   # a program streams block_n // 2 gate rows and as many up rows: the same tile as gate_up
-    _skinny_kernel[(-(-N // block_n),)](
-        x2, weight, weight, y, M, N, K, x2.stride(0), weight.stride(0), y.stride(0),
-        HAS_BIAS=False, SILU_MUL=True, BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k,
-        UPCAST=upcast_loads(x.dtype), DOT_PREC=dot_precision(x.dtype), num_warps=warps, num_stages=stages)
-    return y.view(*x.shape[:-1], N)
+    return _skinny(x, weight, None, True)
 
 
 def takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
