@@ -148,13 +148,17 @@ class DeltaKVConfig(MethodConfig):
         time means fewer of those passes, at the price of raw memory and attention over the tail)."""
         return (self.deltakv_compress_windows + 1) * self.deltakv_recent
 
+    def compress_to(self, comp_end: int, length: int) -> int:
+        """The rule of a step's end: once the raw tail reaches max_tail, every whole window of it but
+        the last is compressed."""
+        w = self.deltakv_recent
+        return comp_end if length - comp_end < self.max_tail else comp_end + (length - w - comp_end) // w * w
+
     def compressed_until(self, prompt_len: int, length: int) -> int:
-        """Where the compressed part ends once a request of prompt_len tokens holds `length`: the
-        prefill compresses every whole window but the last, decode compress_windows windows at a time."""
-        sink, w, m = self.deltakv_sink, self.deltakv_recent, self.deltakv_compress_windows
-        end = sink
-        if min(prompt_len, length) - end >= self.max_tail:
-            end += (min(prompt_len, length) - w - end) // w * w
+        """Where the compressed part ends once a request of prompt_len tokens holds `length`: the rule
+        at the prompt's end, then decode's compress_windows windows each time the tail fills."""
+        w, m = self.deltakv_recent, self.deltakv_compress_windows
+        end = self.compress_to(self.deltakv_sink, min(prompt_len, length))
         if length - end >= self.max_tail:
             end += ((length - end - self.max_tail) // (m * w) + 1) * m * w
         return end
@@ -575,13 +579,12 @@ class DeltaKVCacheManager(CacheManager):
 
     # ---- compression -------------------------------------------------------------------------
     def on_step_end(self, step: StepState) -> None:
-        w = self.method_config.deltakv_recent
         jobs = []
         for seq, n in zip(step.seqs, step.num_tokens):
             req = self.requests[seq.seq_id]
-            length = seq.cache_len + n
-            if length - req.comp_end >= self.method_config.max_tail:
-                jobs.append((seq, req, req.comp_end, req.comp_end + (length - w - req.comp_end) // w * w))
+            end = self.method_config.compress_to(req.comp_end, seq.cache_len + n)
+            if end > req.comp_end:
+                jobs.append((seq, req, req.comp_end, end))
         # Decode steps age out one window in many requests at once: compress those together (one
         # launch sequence a layer; one request at a time cost a 128K x 4 decode step 153 ms on the
         # H200, host-bound, against 48 ms batched). Groups bound the transient tensors: tokens x
@@ -640,9 +643,13 @@ class DeltaKVCacheManager(CacheManager):
         # prefill fell from 5,200 to 4,700 tok/s on the H200).
         short = self.shortlist and n <= SHORTLIST_TOKENS
         c = max(1, (SHORTLIST_TOKENS if short else COMPRESS_CHUNK) // B)
-        bounds = [(a, min(a + c, n), max(int(np.searchsorted(p[2], p[1][min(a + c, len(p[1])) - 1]))
-                                         for p in plans if a < len(p[1])))
-                  for a in range(0, n, c)]
+        # Per chunk, what every layer reuses: the tokens' slots and rotations, flattened once.
+        chunks = []
+        for a in range(0, n, c):
+            e = min(a + c, n)
+            nref = max(int(np.searchsorted(p[2], p[1][min(e, len(p[1])) - 1])) for p in plans if a < len(p[1]))
+            chunks.append((a, e, nref, t_slots_d[:, a:e].flatten(), t_rot[:, a:e].flatten()))
+        ref_meta = torch.stack([r_slots_d, r_rot, r_key_d]) if short else None   # one gather a layer picks all three
         for i, codec in enumerate(self.codecs):
             k_cache, v_cache = self.raw.layer(i)
             refs = gather_x(k_cache, v_cache, r_slots_d.flatten(), r_rot.flatten(), self.cos_sin,
@@ -650,15 +657,15 @@ class DeltaKVCacheManager(CacheManager):
             if short:
                 ref_sq = torch.linalg.vector_norm(refs, dim=-1, dtype=torch.float32).square()   # no fp32 copy of refs
             zs, nbrs = [], []
-            for a, e, nref in bounds:
-                x = gather_x(k_cache, v_cache, t_slots_d[:, a:e].flatten(), t_rot[:, a:e].flatten(),
-                             self.cos_sin).view(B, e - a, -1)
+            for a, e, nref, slots, rot in chunks:
+                x = gather_x(k_cache, v_cache, slots, rot, self.cos_sin).view(B, e - a, -1)
                 if short:   # each token's candidates, gathered again in fp32
                     idx = shortlist(x, refs[:, :nref], ref_sq[:, :nref], r_key_d[:, :nref], t_key_d[:, a:e],
-                                    SHORTLIST).flatten(1)
-                    cand = gather_x(k_cache, v_cache, r_slots_d.gather(1, idx).flatten(),
-                                    r_rot.gather(1, idx).flatten(), self.cos_sin).view(B, e - a, -1, x.shape[-1])
-                    z, nbr = compress_block(x, cand, r_key_d.gather(1, idx).view(cand.shape[:3]), t_key_d[:, a:e],
+                                    SHORTLIST)
+                    c_slots, c_rot, c_key = ref_meta.gather(2, idx.flatten(1).expand(3, -1, -1))
+                    cand = gather_x(k_cache, v_cache, c_slots.flatten(), c_rot.flatten(),
+                                    self.cos_sin).view(*idx.shape, -1)
+                    z, nbr = compress_block(x, cand, c_key.view(idx.shape), t_key_d[:, a:e],
                                             knobs.deltakv_neighbors, codec)
                 else:
                     z, nbr = compress_block(x, refs[:, :nref], r_key_d[:, :nref], t_key_d[:, a:e],
