@@ -349,35 +349,11 @@ def _rebuild_kernel(pos_ptr, len_ptr, row_ptr, map_ptr, kc_ptr, vc_ptr, lat_ptr,
     if tl.sum(comp.to(tl.int32), axis=0) > 0:
         s = tl.minimum(tl.maximum(j - head, 0), S - 1)
         ls = tl.load(ls_ptr + b * stride_lsb + s, mask=comp, other=0).to(tl.int64)
-        lat = tl.arange(0, BLOCK_L)
-        z = tl.load(lat_ptr + ls[:, None] * stride_lat + lat[None, :], mask=comp[:, None] & (lat < L)[None, :],
-                    other=0.0)
-        # this head's columns of up: K's two halves, then V's, each a [L, HALF] tile of W^T
-        w = w_ptr + lat[:, None] + (h * D + cols)[None, :].to(tl.int64) * stride_w
-        wm = (lat < L)[:, None] & cm
-        wk1 = tl.load(w, mask=wm, other=0.0)
-        wk2 = tl.load(w + HALF * stride_w, mask=wm, other=0.0)
-        wv1 = tl.load(w + H * D * stride_w, mask=wm, other=0.0)
-        wv2 = tl.load(w + (H * D + HALF) * stride_w, mask=wm, other=0.0)
-        if UPCAST:
-            z, wk1, wk2, wv1, wv2 = z.to(tl.float32), wk1.to(tl.float32), wk2.to(tl.float32), wv1.to(tl.float32), wv2.to(tl.float32)
-        else:
-            z = z.to(wk1.dtype)
-        k1 = tl.dot(z, wk1, input_precision=DOT_PREC)
-        k2 = tl.dot(z, wk2, input_precision=DOT_PREC)
-        v1 = tl.dot(z, wv1, input_precision=DOT_PREC)
-        v2 = tl.dot(z, wv2, input_precision=DOT_PREC)
-        if HAS_BIAS:
-            bc = bias_ptr + h * D + cols
-            k1 += tl.load(bc, mask=cols < HALF, other=0.0).to(tl.float32)[None, :]
-            k2 += tl.load(bc + HALF, mask=cols < HALF, other=0.0).to(tl.float32)[None, :]
-            v1 += tl.load(bc + H * D, mask=cols < HALF, other=0.0).to(tl.float32)[None, :]
-            v2 += tl.load(bc + H * D + HALF, mask=cols < HALF, other=0.0).to(tl.float32)[None, :]
         # the mean of the references, each rotated back from the raw pool at its own position
-        rk1 = tl.zeros([BLOCK_T, BLOCK_HALF], tl.float32)
-        rk2 = tl.zeros([BLOCK_T, BLOCK_HALF], tl.float32)
-        rv1 = tl.zeros([BLOCK_T, BLOCK_HALF], tl.float32)
-        rv2 = tl.zeros([BLOCK_T, BLOCK_HALF], tl.float32)
+        k1 = tl.zeros([BLOCK_T, BLOCK_HALF], tl.float32)
+        k2 = tl.zeros([BLOCK_T, BLOCK_HALF], tl.float32)
+        v1 = tl.zeros([BLOCK_T, BLOCK_HALF], tl.float32)
+        v2 = tl.zeros([BLOCK_T, BLOCK_HALF], tl.float32)
         count = tl.zeros([BLOCK_T], tl.float32)
         for i in tl.static_range(NBR):
             rp = tl.load(nbr_ptr + ls * stride_nbr + i, mask=comp, other=-1).to(tl.int64)
@@ -390,31 +366,56 @@ def _rebuild_kernel(pos_ptr, len_ptr, row_ptr, map_ptr, kc_ptr, vc_ptr, lat_ptr,
             src = kc_ptr + rs[:, None] * stride_ks + h * stride_kh + cols[None, :]
             a1 = tl.load(src, mask=m, other=0.0).to(tl.float32)
             a2 = tl.load(src + HALF, mask=m, other=0.0).to(tl.float32)
-            rk1 += a1 * rc + a2 * rn
-            rk2 += a2 * rc - a1 * rn
+            k1 += a1 * rc + a2 * rn
+            k2 += a2 * rc - a1 * rn
             src = vc_ptr + rs[:, None] * stride_vs + h * stride_vh + cols[None, :]
-            rv1 += tl.load(src, mask=m, other=0.0).to(tl.float32)
-            rv2 += tl.load(src + HALF, mask=m, other=0.0).to(tl.float32)
+            v1 += tl.load(src, mask=m, other=0.0).to(tl.float32)
+            v2 += tl.load(src + HALF, mask=m, other=0.0).to(tl.float32)
             count += ok.to(tl.float32)
         inv = (1.0 / tl.maximum(count, 1.0))[:, None]
-        k1 += rk1 * inv
-        k2 += rk2 * inv
-        v1 += rv1 * inv
-        v2 += rv2 * inv
+        # + up(z): this head's columns of up, one [L, HALF] tile of W^T at a time (K's halves at
+        # h * D, V's at H * D + h * D), so one tile is live in registers
+        lat = tl.arange(0, BLOCK_L)
+        z = tl.load(lat_ptr + ls[:, None] * stride_lat + lat[None, :], mask=comp[:, None] & (lat < L)[None, :],
+                    other=0.0)
+        w = w_ptr + lat[:, None] + (h * D + cols)[None, :].to(tl.int64) * stride_w
+        wm = (lat < L)[:, None] & cm
+        bc = bias_ptr + h * D + cols
         m = comp[:, None] & cm
+        if UPCAST:
+            z = z.to(tl.float32)
+        else:
+            z = z.to(w_ptr.dtype.element_ty)
+        v1 = v1 * inv + _up_tile(z, w + H * D * stride_w, wm, bc + H * D, cols < HALF, HAS_BIAS, UPCAST, DOT_PREC)
+        tl.store(ov_ptr + dst, v1.to(ov_ptr.dtype.element_ty), mask=m)
+        v2 = v2 * inv + _up_tile(z, w + (H * D + HALF) * stride_w, wm, bc + H * D + HALF, cols < HALF, HAS_BIAS,
+                                 UPCAST, DOT_PREC)
+        tl.store(ov_ptr + dst + HALF, v2.to(ov_ptr.dtype.element_ty), mask=m)
+        k1 = k1 * inv + _up_tile(z, w, wm, bc, cols < HALF, HAS_BIAS, UPCAST, DOT_PREC)
+        k2 = k2 * inv + _up_tile(z, w + HALF * stride_w, wm, bc + HALF, cols < HALF, HAS_BIAS, UPCAST, DOT_PREC)
         cos = tl.load(cache_ptr + pos[:, None] * stride_c + cols[None, :], mask=m, other=0.0).to(tl.float32)
         sin = tl.load(cache_ptr + pos[:, None] * stride_c + HALF + cols[None, :], mask=m, other=0.0).to(tl.float32)
         tl.store(ok_ptr + dst, (k1 * cos - k2 * sin).to(ok_ptr.dtype.element_ty), mask=m)
         tl.store(ok_ptr + dst + HALF, (k2 * cos + k1 * sin).to(ok_ptr.dtype.element_ty), mask=m)
-        tl.store(ov_ptr + dst, v1.to(ov_ptr.dtype.element_ty), mask=m)
-        tl.store(ov_ptr + dst + HALF, v2.to(ov_ptr.dtype.element_ty), mask=m)
+
+
+@jit
+def _up_tile(z, w, wm, bias, bm, HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr):
+    """z [T, L] @ one [L, HALF] tile of up's W^T (+ its bias), fp32."""
+    wt = tl.load(w, mask=wm, other=0.0)
+    if UPCAST:
+        wt = wt.to(tl.float32)
+    out = tl.dot(z, wt, input_precision=DOT_PREC)
+    if HAS_BIAS:
+        out += tl.load(bias, mask=bm, other=0.0).to(tl.float32)[None, :]
+    return out
 
 
 REBUILD_BLOCK_T = 32   # view entries a program: [32, L] x [L, D / 2] per half of K and V
 
 
 def rebuild_triton(view_pos, lengths, rows, raw_map, k_cache, v_cache, latents, neighbors, latent_slots, up_weight,
-                   up_bias, head, cos_sin_cache, out_k, out_v) -> None:
+                   up_bias, head, cos_sin_cache, out_k, out_v, block_t=REBUILD_BLOCK_T, num_warps=4) -> None:
     """Same contract as rebuild_ref; programs over (request, block of 32 view entries, KV head)."""
     B, C = view_pos.shape
     H, D = k_cache.shape[1:]
@@ -424,7 +425,7 @@ def rebuild_triton(view_pos, lengths, rows, raw_map, k_cache, v_cache, latents, 
         assert t.stride(-1) == 1
     assert out_k.stride() == out_v.stride() and up_weight.shape == (2 * H * D, L) and latent_slots.shape[0] == B
     if B and C:
-        grid = (B, -(-C // REBUILD_BLOCK_T), H)
+        grid = (B, -(-C // block_t), H)
         _rebuild_kernel[grid](
             view_pos, lengths, rows, raw_map, k_cache, v_cache, latents, neighbors, latent_slots, up_weight,
             up_bias if up_bias is not None else up_weight, cos_sin_cache, out_k, out_v, head,
@@ -432,9 +433,9 @@ def rebuild_triton(view_pos, lengths, rows, raw_map, k_cache, v_cache, latents, 
             v_cache.stride(1), latents.stride(0), neighbors.stride(0), latent_slots.stride(0), up_weight.stride(0),
             cos_sin_cache.stride(0), out_k.stride(0), out_k.stride(1),
             C, S, L, min(raw_map.shape[1], cos_sin_cache.shape[0]),
-            H=H, D=D, HALF=D // 2, NBR=NBR, BLOCK_T=REBUILD_BLOCK_T, BLOCK_L=max(16, pow2(L)),
+            H=H, D=D, HALF=D // 2, NBR=NBR, BLOCK_T=block_t, BLOCK_L=max(16, pow2(L)),
             BLOCK_HALF=max(16, pow2(D // 2)), HAS_BIAS=up_bias is not None, UPCAST=upcast_loads(up_weight.dtype),
-            DOT_PREC=dot_precision(up_weight.dtype), num_warps=4)
+            DOT_PREC=dot_precision(up_weight.dtype), num_warps=num_warps)
 
 
 def rebuild(view_pos, lengths, rows, raw_map, k_cache, v_cache, latents, neighbors, latent_slots, up_weight, up_bias,
