@@ -309,82 +309,6 @@ def test_reconstruct_triton_matches_reference(dtype):
     torch.testing.assert_close(outs[0][1], outs[1][1], atol=2e-3, rtol=2e-3)
 
 
-def rebuild_case(B=3, C=70, S=40, H=2, D=8, L=12, NBR=3, bias=True, seed=0, dtype=torch.float32):
-    """A rebuild: view entries over mixed raw / compressed positions, more entries than one program's
-    block (partial blocks, lengths cutting a block), latents at scattered slots, references raw."""
-    g = torch.Generator().manual_seed(seed)
-    view_pos, lengths, rows, raw_map, k, v, _, _, head, cos_sin = recon_case(B, C, S, H, D, NBR, seed, dtype)
-    lengths = torch.tensor([C, 37, 1][:B], dtype=torch.int32)
-    M = 100
-    latents = torch.randn(M, L, generator=g).to(dtype)
-    neighbors = torch.randint(0, 4, (M, NBR), generator=g, dtype=torch.int32)
-    neighbors[torch.rand(M, NBR, generator=g) < 0.2] = -1
-    neighbors[5] = -1                                          # a token with no reference: mean 0
-    latent_slots = torch.randint(0, M, (B, S), generator=g)
-    latent_slots[0, 0] = 5
-    w = (torch.randn(2 * H * D, L, generator=g) / L ** 0.5).to(dtype)
-    b = torch.randn(2 * H * D, generator=g).to(dtype) if bias else None
-    return view_pos, lengths, rows, raw_map, k, v, latents, neighbors, latent_slots, w, b, head, cos_sin
-
-
-def run_rebuild(fn, args, fill=7.0):
-    B, C = args[0].shape
-    H, D = args[4].shape[1:]
-    o_k = torch.full((B * C, H, D), fill, dtype=args[4].dtype, device=args[4].device)
-    o_v = torch.full_like(o_k, fill)
-    fn(*args, o_k, o_v)
-    return o_k.float(), o_v.float()
-
-
-def test_rebuild_ref_is_reconstruct_after_the_up_gemm():
-    """The fused contract: rebuild from the latent store == up(z) by the codec, then reconstruct."""
-    args = rebuild_case()
-    view_pos, lengths, rows, raw_map, k, v, latents, neighbors, slots, w, b, head, cos_sin = args
-    up = torch.nn.Linear(w.shape[1], w.shape[0])
-    with torch.no_grad():
-        up.weight.copy_(w)
-        up.bias.copy_(b)
-        up_z = up(latents[slots])
-    want = run_rebuild(kd.reconstruct_ref, (view_pos, lengths, rows, raw_map, k, v, up_z, neighbors[slots], head,
-                                            cos_sin))
-    got = run_rebuild(kd.rebuild_ref, args)
-    for a, e in zip(got, want):
-        torch.testing.assert_close(a, e)
-    # entries past a request's length are left alone
-    C = view_pos.shape[1]
-    assert got[0].view(3, C, -1)[1, 37:].eq(7.0).all() and got[0].view(3, C, -1)[2, 1:].eq(7.0).all()
-
-
-@interp
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("bias,D,L", [(True, 8, 12), (False, 64, 40)])
-def test_rebuild_triton_matches_reference(dtype, bias, D, L):
-    args = rebuild_case(D=D, L=L, bias=bias, dtype=dtype)
-    for a, e in zip(run_rebuild(kd.rebuild_triton, args), run_rebuild(kd.rebuild_ref, args)):
-        torch.testing.assert_close(a, e, atol=3e-3, rtol=3e-3)
-
-
-@interp
-def test_engine_with_an_mlp_codec_uses_the_reconstruct_path(tiny_model, tmp_path, monkeypatch):
-    """mlp_gelu codecs keep up(z) as torch modules before the reconstruct kernel: the engine runs
-    them (the kernel interpreted == its reference) and never calls the fused rebuild."""
-    from sparsevllm.engine.cache_manager import deltakv
-    path = model(tiny_model)
-    mc = ModelConfig.from_dict(read_config_json(path))
-    cfg = dc.make_config(mc, latent_dim=6, kind="mlp_gelu", full_layers=[0, 2], cluster_ratio=0.25, neighbors=2,
-                         sink=4)
-    torch.manual_seed(0)
-    dc.DeltaKVCompressor(cfg).save(str(tmp_path / "c"))
-    ps = prompts([150, 90], seed=11)
-    sp = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
-    knobs = dict(vllm_sparse_method="deltakv", device="cpu", deltakv_compressor_path=str(tmp_path / "c"),
-                 deltakv_decode_keep=12, chunk_prefill_size=64, **SMALL)
-    monkeypatch.setattr(deltakv, "rebuild", lambda *a: pytest.fail("an mlp codec reached the fused rebuild"))
-    want = run(LLM(path, **knobs), ps, sp)
-    monkeypatch.setattr(deltakv, "reconstruct", kd.reconstruct_triton)
-    assert run(LLM(path, **knobs), ps, sp) == want
-
-
 @interp
 def test_engine_with_the_triton_kernels_equals_the_references(tiny_model, tmp_path, monkeypatch):
     """The decode and prefill paths with every DeltaKV Triton kernel (interpreted on the CPU) give
@@ -398,7 +322,7 @@ def test_engine_with_the_triton_kernels_equals_the_references(tiny_model, tmp_pa
     knobs = dict(vllm_sparse_method="deltakv", device="cpu", deltakv_compressor_path=comp, deltakv_decode_keep=12,
                  chunk_prefill_size=64, **SMALL)
     want = run(LLM(path, **knobs), ps, sp)
-    monkeypatch.setattr(deltakv, "rebuild", kd.rebuild_triton)
+    monkeypatch.setattr(deltakv, "reconstruct", kd.reconstruct_triton)
     monkeypatch.setattr(deltakv, "gather_x", kd.gather_x_triton)
     monkeypatch.setattr(deltakv, "select_tokens", omnikv.select_tokens_triton)
     assert run(LLM(path, **knobs), ps, sp) == want
@@ -696,10 +620,6 @@ def test_gpu_deltakv_kernels_match_references_bf16():
         outs.append((o_k.float(), o_v.float()))
     torch.testing.assert_close(outs[0][0], outs[1][0], atol=3e-2, rtol=2e-2)
     torch.testing.assert_close(outs[0][1], outs[1][1], atol=3e-2, rtol=2e-2)
-    args = [a.cuda() if isinstance(a, torch.Tensor) else a for a in rebuild_case(B=3, C=300, S=256, H=8, D=128,
-                                                                                   L=128, NBR=4, dtype=torch.bfloat16)]
-    for a, e in zip(run_rebuild(kd.rebuild_triton, args), run_rebuild(kd.rebuild_ref, args)):
-        torch.testing.assert_close(a, e, atol=3e-2, rtol=2e-2)
     k, v, slots, cos_sin = [t.cuda() for t in pool_case(500, 8, 128, dtype=torch.bfloat16)]
     pos = torch.arange(500, device="cuda")
     torch.testing.assert_close(kd.gather_x_triton(k, v, slots, pos, cos_sin), kd.gather_x_ref(k, v, slots, pos, cos_sin),

@@ -46,9 +46,8 @@ Deviations:
 - Qwen3's k-norm runs in the model before the cache hook, so the engine compresses the normed K
   (the paper: K before the norm, re-normed after reconstruction); the trainer learns on the same
   normed K, and no k-norm is applied again after reconstruction.
-- down(x) runs as a cuBLAS GEMM (torch module); a linear codec's up(z) runs inside the Triton
-  rebuild kernel (tl.dot), an mlp_gelu codec's as torch modules before it; the kernels do the
-  gathers, the reference means, the rotations and the scratch writes.
+- up(z) and down(x) run as cuBLAS GEMMs (torch modules); the Triton kernels do the gathers, the
+  reference means, the rotations and the scratch writes.
 - Prefill compresses chunk by chunk, so a chunk after the first reads the compressed part of its
   prefix rebuilt from the latents rather than raw (this is what bounds a long prompt's raw memory).
 - The nearest references are ranked in fp32, a chunk of tokens at a time. On the GPU, when each
@@ -72,7 +71,7 @@ from sparsevllm.engine.sequence import Sequence
 from sparsevllm.engine.staging import HostStaging, to_device
 from sparsevllm.engine.step import DecodeView, PrefillView, StepState
 from sparsevllm.forward_context import get_forward_context
-from sparsevllm.kernels.deltakv import compress_block, gather_x, rebuild, reconstruct, shortlist
+from sparsevllm.kernels.deltakv import compress_block, gather_x, reconstruct, shortlist
 from sparsevllm.kernels.omnikv import select_tokens
 from sparsevllm.kernels.rope_store import rope_store
 from sparsevllm.models.config import ModelConfig
@@ -505,16 +504,18 @@ class DeltaKVCacheManager(CacheManager):
         lens, offsets, table = self._prefix
         out_k = torch.empty(sum(lens), self.num_kv_heads, self.head_dim, dtype=self.dtype, device=self.device)
         out_v = torch.empty_like(out_k)
-        P = self.page_size
+        P, codec = self.page_size, self.codecs[i]
         rows = step.extras["deltakv_rows"]
         for b, (length, off) in enumerate(zip(lens, offsets)):
             for a in range(0, length, PREFIX_PIECE):
                 m = min(PREFIX_PIECE, length - a)
-                pos = self.positions[0, a:a + m]
-                latent_slots = step.block_tables[b].long()[pos.long() // P] * P + pos % P
-                self._rebuild(i, pos.view(1, m), torch.full((1,), m, dtype=torch.int32, device=self.device),
-                              rows[b:b + 1], latent_slots.view(1, m), 0, out_k[off + a:off + a + m],
-                              out_v[off + a:off + a + m])
+                pos = self.positions[0, a:a + m].long()
+                latent_slots = step.block_tables[b].long()[pos // P] * P + pos % P
+                up_z = codec.up(self.latents[i][latent_slots]).view(1, m, -1)
+                nbr = self.neighbors[i][latent_slots].view(1, m, -1)
+                reconstruct(pos.view(1, m).to(torch.int32), torch.full((1,), m, dtype=torch.int32, device=self.device),
+                            rows[b:b + 1], self.raw_map, k_cache, v_cache, up_z.contiguous(), nbr, 0, self.cos_sin,
+                            out_k[off + a:off + a + m], out_v[off + a:off + a + m])
         return PrefillView(out_k, out_v, table, step.cache_lens, 1)
 
     def build_decode_view(self, layer_id: int, q: torch.Tensor, step: StepState) -> DecodeView:
@@ -535,23 +536,14 @@ class DeltaKVCacheManager(CacheManager):
             chosen = self._select(chosen.amax(dim=1), step)
             controller.put(f"deltakv.{arg}", chosen)
         view_pos, lengths, latent_slots = chosen
+        i = self.index[layer_id]
         B = view_pos.shape[0]
-        self._rebuild(self.index[layer_id], view_pos, lengths, step.extras["deltakv_rows"], latent_slots,
-                      self.method_config.deltakv_sink, self.scratch_k, self.scratch_v)
+        up_z = self.codecs[i].up(self.latents[i][latent_slots])                     # [B, keep, 2 H D]
+        nbr = self.neighbors[i][latent_slots]
+        k_cache, v_cache = self.raw.layer(i)
+        reconstruct(view_pos, lengths, step.extras["deltakv_rows"], self.raw_map, k_cache, v_cache, up_z.contiguous(),
+                    nbr, self.method_config.deltakv_sink, self.cos_sin, self.scratch_k, self.scratch_v)
         return DecodeView(self.scratch_k, self.scratch_v, self.view_slots[:B], lengths.view(B, 1), 1)
-
-    def _rebuild(self, i: int, view_pos: torch.Tensor, lengths: torch.Tensor, rows: torch.Tensor,
-                 latent_slots: torch.Tensor, head: int, out_k: torch.Tensor, out_v: torch.Tensor) -> None:
-        """Sparse layer i's view entries into out_k/out_v: raw tokens copied, compressed ones rebuilt
-        from their latents (latent_slots [B, S], entry j >= head using column j - head)."""
-        codec, (k_cache, v_cache) = self.codecs[i], self.raw.layer(i)
-        if isinstance(codec.up, torch.nn.Linear):   # up(z) inside the kernel
-            rebuild(view_pos, lengths, rows, self.raw_map, k_cache, v_cache, self.latents[i], self.neighbors[i],
-                    latent_slots, codec.up.weight, codec.up.bias, head, self.cos_sin, out_k, out_v)
-        else:                                       # mlp_gelu: its up is a GEMM, GELU, GEMM first
-            up_z = codec.up(self.latents[i][latent_slots])
-            reconstruct(view_pos, lengths, rows, self.raw_map, k_cache, v_cache, up_z.contiguous(),
-                        self.neighbors[i][latent_slots], head, self.cos_sin, out_k, out_v)
 
     def _select(self, scores: torch.Tensor, step: StepState):
         """Top decode_keep compressed tokens by the full layer's scores -> the run's view positions
