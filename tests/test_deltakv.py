@@ -604,6 +604,50 @@ def test_chunked_prefill_never_holds_the_prompt_raw(tiny_model, tmp_path):
     assert llm.engine.cache_manager.raw_slots.peak_used <= sink + 2 * w + 64 + 600 // stride + 1
 
 
+def test_overlap_equals_no_overlap_with_compressions_and_mixed_finishes(tiny_model, tmp_path):
+    """async_scheduling on == off, token for token and finish reason, while decode steps compress
+    windows, requests end at different steps (a stop token costs one discarded step, whose
+    compression is thrown away with the request) and everything returns to the pools. Under a tight
+    pool overlap may preempt where the synchronous engine did not (a finished request's extra step
+    holds its pages one step longer); a preempted DeltaKV request is recomputed by chunked prefill,
+    where its generated tokens attend to the whole rebuilt prefix instead of the decode view they
+    had, so only the requests neither run preempted must match token for token."""
+    path = model(tiny_model)
+    comp = compressor(path, tmp_path / "c", "random", latent=4)
+    ps = prompts([300, 90, 150, 41, 200], seed=13)
+    free = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
+    knobs = dict(vllm_sparse_method="deltakv", device="cpu", deltakv_compressor_path=comp, deltakv_decode_keep=8,
+                 chunk_prefill_size=64, **SMALL)
+    reference = run(LLM(path, async_scheduling=False, **knobs), ps, free)
+    params = [SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True, stop_token_ids=[reference[0][30]]),
+              SamplingParams(temperature=0.0, max_tokens=17, ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True, stop_token_ids=[reference[2][45]]),
+              SamplingParams(temperature=0.0, max_tokens=38, ignore_eos=True),
+              SamplingParams(temperature=0.8, top_k=20, max_tokens=50, ignore_eos=True, seed=3)]
+
+    def outcome(llm):
+        preempted, preempt = set(), llm.engine.scheduler.preempt
+        llm.engine.scheduler.preempt = lambda seq: preempted.add(seq.seq_id % len(ps)) or preempt(seq)
+        outs = llm.generate(ps, params, use_tqdm=False)
+        cm = llm.engine.cache_manager
+        assert cm.allocator.is_idle() and cm.raw_slots.num_free == cm.raw_slots.num_slots and not cm.requests
+        return [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in outs], preempted
+
+    for extra in ({}, {"num_kv_pages": 60, "page_size": 8}):   # 60 pages of 8: not all five at once
+        sync, over = LLM(path, async_scheduling=False, **knobs, **extra), LLM(path, async_scheduling=True, **knobs, **extra)
+        compressed = count_compressions(over)
+        (want, pre_sync), (got, pre_over) = outcome(sync), outcome(over)
+        assert compressed["tokens"] > 0 and over.engine.async_scheduling
+        assert [(len(t), r) for t, r in got] == [(len(t), r) for t, r in want]
+        assert len(got[0][0]) <= 31 and len(got[2][0]) <= 46 and len(got[1][0]) == 17
+        same = [i for i in range(len(ps)) if i not in pre_sync | pre_over]
+        assert [got[i] for i in same] == [want[i] for i in same]
+        if extra:
+            assert pre_sync and pre_over and len(same) >= 2
+        else:
+            assert not pre_sync and not pre_over and got == want
+
+
 # ---------------------------------------------------------------- GPU
 
 @gpu

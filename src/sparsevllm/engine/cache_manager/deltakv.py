@@ -50,6 +50,14 @@ Deviations:
   reference means, the rotations and the scratch writes.
 - Prefill compresses chunk by chunk, so a chunk after the first reads the compressed part of its
   prefix rebuilt from the latents rather than raw (this is what bounds a long prompt's raw memory).
+  So outputs depend on the schedule: where a prompt's chunks end (a step's token budget shared
+  with other prompts) decides which of its tokens later chunks read rebuilt.
+- Preemption recomputes prompt + generated tokens by chunked prefill: the generated tokens then
+  attend to their whole prefix (compressed part rebuilt), not to the decode view (sink + top
+  decode_keep + raw tail) they attended to when generated, so a preempted request's continuation
+  can differ from an uninterrupted run. With async_scheduling a tight pool can preempt where the
+  synchronous engine does not (a finished request's extra step holds its pages a step longer);
+  without preemption the two give the same tokens (tested).
 - The nearest references are ranked in fp32, a chunk of tokens at a time. On the GPU, when each
   request compresses at most 512 tokens (decode steps), a bf16 GEMM first shortlists 32 candidates a
   token and only those are ranked in fp32 (the fp32 GEMM against every reference was ~half of a
