@@ -627,7 +627,7 @@ def test_overlap_equals_no_overlap_with_compressions_and_mixed_finishes(tiny_mod
 
     def outcome(llm):
         preempted, preempt = set(), llm.engine.scheduler.preempt
-        llm.engine.scheduler.preempt = lambda seq: preempted.add(seq.seq_id % len(ps)) or preempt(seq)
+        llm.engine.scheduler.preempt = lambda seq: preempted.add(ps.index(seq.token_ids[:seq.num_prompt_tokens])) or preempt(seq)
         outs = llm.generate(ps, params, use_tqdm=False)
         cm = llm.engine.cache_manager
         assert cm.allocator.is_idle() and cm.raw_slots.num_free == cm.raw_slots.num_slots and not cm.requests
