@@ -109,10 +109,9 @@ class Scheduler:
     def preempt(self, seq: Sequence) -> None:
         """Free a request's KV and send it back to the front of the queue; it will be recomputed
         from its tokens (prompt + what it generated so far) by prefill. With dense attention its
-        output does not change; where decode attention is sparse (QuEST, OmniKV, DeltaKV, HiSparse)
-        the generated tokens' KV is recomputed by the method's prefill path instead of the decode
-        view they had, so the continuation can differ (SnapKV's compacted cache is what its decode
-        read: unchanged up to rounding)."""
+        output does not change; a method whose decode attention reads a sparse view recomputes the
+        generated tokens' KV through its prefill path instead, so the continuation can differ
+        (each method's module says whether it does)."""
         logger.info("preempting request %d (out of KV pages)", seq.seq_id)
         self.num_preemptions += 1
         self.running.remove(seq)
