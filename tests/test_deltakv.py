@@ -255,7 +255,12 @@ def recon_case(B=3, C=20, S=8, H=2, D=8, NBR=2, seed=0, dtype=torch.float32):
     up_z = torch.randn(B, S, 2 * H * D, generator=g).to(dtype)
     nbr = torch.randint(0, 4, (B, S, NBR), generator=g, dtype=torch.int32)
     nbr[0, 0, 1] = -1
-    return view_pos, lengths, rows, raw_map, k, v, up_z, nbr, 3, cos_sin
+    # the latent store: the selected tokens' rows scattered among others
+    M = B * S + 7
+    latent_slots = torch.randperm(M, generator=g)[:B * S].view(B, S)
+    neighbors = torch.randint(0, 4, (M, NBR), generator=g, dtype=torch.int32)
+    neighbors[latent_slots.flatten()] = nbr.view(-1, NBR)
+    return view_pos, lengths, rows, raw_map, k, v, up_z, neighbors, latent_slots, 3, cos_sin
 
 
 def test_compress_then_reconstruct_with_an_identity_compressor_is_exact():
@@ -279,7 +284,8 @@ def test_compress_then_reconstruct_with_an_identity_compressor_is_exact():
     out_k, out_v = torch.zeros(C, H, D), torch.zeros(C, H, D)
     with torch.no_grad():
         up_z = codec.up(z).view(1, C, F)
-    kd.reconstruct_ref(view_pos, torch.tensor([C]), torch.tensor([0]), raw_map, k, v, up_z, nbr.view(1, C, 2), 0,
+    kd.reconstruct_ref(view_pos, torch.tensor([C]), torch.tensor([0]), raw_map, k, v, up_z, nbr,
+                       torch.arange(C).view(1, C), 0,
                        cos_sin, out_k, out_v)
     torch.testing.assert_close(out_k, k[slots[tok_pos]], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(out_v, v[slots[tok_pos]], atol=1e-5, rtol=1e-5)

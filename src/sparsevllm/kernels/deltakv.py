@@ -164,15 +164,16 @@ def _param_dtype(module) -> torch.dtype:
 # ---------------------------------------------------------------- reconstruct
 
 def reconstruct_ref(view_pos: torch.Tensor, lengths: torch.Tensor, rows: torch.Tensor, raw_map: torch.Tensor,
-                    k_cache: torch.Tensor, v_cache: torch.Tensor, up_z: torch.Tensor, nbr: torch.Tensor,
-                    head: int, cos_sin_cache: torch.Tensor, out_k: torch.Tensor, out_v: torch.Tensor) -> None:
+                    k_cache: torch.Tensor, v_cache: torch.Tensor, up_z: torch.Tensor, neighbors: torch.Tensor,
+                    latent_slots: torch.Tensor, head: int, cos_sin_cache: torch.Tensor, out_k: torch.Tensor, out_v: torch.Tensor) -> None:
     """Fill the scratch slots of a sparse layer's decode view.
 
     view_pos: [B, C] positions (entry j of request b is scratch slot b * C + j); lengths: [B];
     rows: [B] the requests' rows of raw_map ([rows, max_len] int32: raw slot of a position, -1 when
     compressed); k_cache, v_cache: the layer's raw pool [num_slots, H, D], K after RoPE; up_z:
     [B, S, 2 * H * D] = up(z) of the selected tokens, entry j >= head using up_z[b, j - head];
-    nbr: [B, S, k] their references' positions (-1: none); out_k, out_v: [B * C, H, D]. Raw
+    neighbors: [slots, k] every token's references' positions (-1: none), latent_slots [B, S] the
+    selected tokens' rows there (entry j >= head: latent_slots[b, j - head]); out_k, out_v: [B * C, H, D]. Raw
     positions are copied; compressed ones become up(z) + mean of their references (rotated back to
     before RoPE), K rotated to the true position. Entries past lengths[b] are left alone."""
     B, C = view_pos.shape
@@ -189,7 +190,7 @@ def reconstruct_ref(view_pos: torch.Tensor, lengths: torch.Tensor, rows: torch.T
     # compressed entries: x = up(z) + r, r the mean of the references (RoPE undone), K re-rotated
     bi, ji = torch.nonzero(live & (slot < 0), as_tuple=True)
     si = (ji - head).clamp(0, S - 1)
-    refs = nbr[bi, si].long()                                                         # [n, k]
+    refs = neighbors[latent_slots[bi, si].long()].long()                                                         # [n, k]
     ok = (refs >= 0).float().unsqueeze(-1)
     ref_slot = raw_map[rows.long()[bi].view(-1, 1), refs.clamp(min=0)].long().clamp(min=0)
     cos, sin = _cos_sin(cos_sin_cache, refs.clamp(min=0))
@@ -202,10 +203,10 @@ def reconstruct_ref(view_pos: torch.Tensor, lengths: torch.Tensor, rows: torch.T
 
 
 @jit
-def _reconstruct_kernel(pos_ptr, len_ptr, row_ptr, map_ptr, kc_ptr, vc_ptr, upz_ptr, nbr_ptr, cache_ptr,
+def _reconstruct_kernel(pos_ptr, len_ptr, row_ptr, map_ptr, kc_ptr, vc_ptr, upz_ptr, nbr_ptr, ls_ptr, cache_ptr,
                         ok_ptr, ov_ptr, head,
                         stride_pb, stride_mr, stride_ks, stride_kh, stride_vs, stride_vh,
-                        stride_ub, stride_us, stride_nb, stride_ns, stride_c, stride_os, stride_oh,
+                        stride_ub, stride_us, stride_nb, stride_lb, stride_c, stride_os, stride_oh,
                         C, S, MAXPOS,
                         H: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr, NBR: tl.constexpr,
                         BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
@@ -230,13 +231,14 @@ def _reconstruct_kernel(pos_ptr, len_ptr, row_ptr, map_ptr, kc_ptr, vc_ptr, upz_
         tl.store(dst_v + HALF, tl.load(src + HALF, mask=mask, other=0.0), mask=mask)
     else:
         s = tl.minimum(tl.maximum(j - head, 0), S - 1)
+        ls = tl.load(ls_ptr + b * stride_lb + s).to(tl.int64)   # the token's row in the latent store
         k1 = tl.zeros([BLOCK_H, BLOCK_HALF], tl.float32)
         k2 = tl.zeros([BLOCK_H, BLOCK_HALF], tl.float32)
         v1 = tl.zeros([BLOCK_H, BLOCK_HALF], tl.float32)
         v2 = tl.zeros([BLOCK_H, BLOCK_HALF], tl.float32)
         count = 0.0
         for i in range(NBR):
-            rp = tl.load(nbr_ptr + b * stride_nb + s * stride_ns + i).to(tl.int64)
+            rp = tl.load(nbr_ptr + ls * stride_nb + i).to(tl.int64)
             if rp >= 0:
                 rs = tl.load(map_ptr + row * stride_mr + rp).to(tl.int64)
                 rs = tl.maximum(rs, 0)
@@ -265,28 +267,29 @@ def _reconstruct_kernel(pos_ptr, len_ptr, row_ptr, map_ptr, kc_ptr, vc_ptr, upz_
         tl.store(dst_v + HALF, v2.to(ov_ptr.dtype.element_ty), mask=mask)
 
 
-def reconstruct_triton(view_pos, lengths, rows, raw_map, k_cache, v_cache, up_z, nbr, head, cos_sin_cache,
-                       out_k, out_v) -> None:
+def reconstruct_triton(view_pos, lengths, rows, raw_map, k_cache, v_cache, up_z, neighbors, latent_slots, head,
+                       cos_sin_cache, out_k, out_v) -> None:
     """Same contract as reconstruct_ref; one program per (request, view entry), those past the
     request's length exit at once."""
     B, C = view_pos.shape
     H, D = k_cache.shape[1:]
-    S, NBR = up_z.shape[1], nbr.shape[-1]
-    for t in (view_pos, raw_map, k_cache, v_cache, up_z, nbr, cos_sin_cache, out_k, out_v):
+    S, NBR = up_z.shape[1], neighbors.shape[-1]
+    for t in (view_pos, raw_map, k_cache, v_cache, up_z, neighbors, latent_slots, cos_sin_cache, out_k, out_v):
         assert t.stride(-1) == 1
-    assert out_k.stride() == out_v.stride() and up_z.shape[-1] == 2 * H * D and nbr.shape[:2] == (B, S)
+    assert out_k.stride() == out_v.stride() and up_z.shape[-1] == 2 * H * D and latent_slots.shape == (B, S)
     if B and C:
         _reconstruct_kernel[(B, C)](
-            view_pos, lengths, rows, raw_map, k_cache, v_cache, up_z, nbr, cos_sin_cache, out_k, out_v, head,
+            view_pos, lengths, rows, raw_map, k_cache, v_cache, up_z, neighbors, latent_slots, cos_sin_cache, out_k, out_v, head,
             view_pos.stride(0), raw_map.stride(0), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0),
-            v_cache.stride(1), up_z.stride(0), up_z.stride(1), nbr.stride(0), nbr.stride(1),
+            v_cache.stride(1), up_z.stride(0), up_z.stride(1), neighbors.stride(0), latent_slots.stride(0),
             cos_sin_cache.stride(0), out_k.stride(0), out_k.stride(1), C, S, min(raw_map.shape[1], cos_sin_cache.shape[0]),
             H=H, D=D, HALF=D // 2, NBR=NBR, BLOCK_H=pow2(H), BLOCK_HALF=pow2(D // 2), num_warps=4)
 
 
-def reconstruct(view_pos, lengths, rows, raw_map, k_cache, v_cache, up_z, nbr, head, cos_sin_cache, out_k, out_v):
+def reconstruct(view_pos, lengths, rows, raw_map, k_cache, v_cache, up_z, neighbors, latent_slots, head, cos_sin_cache,
+                out_k, out_v):
     if use_triton(k_cache):
-        return reconstruct_triton(view_pos, lengths, rows, raw_map, k_cache, v_cache, up_z, nbr, head,
+        return reconstruct_triton(view_pos, lengths, rows, raw_map, k_cache, v_cache, up_z, neighbors, latent_slots, head,
                                   cos_sin_cache, out_k, out_v)
-    return reconstruct_ref(view_pos, lengths, rows, raw_map, k_cache, v_cache, up_z, nbr, head, cos_sin_cache,
+    return reconstruct_ref(view_pos, lengths, rows, raw_map, k_cache, v_cache, up_z, neighbors, latent_slots, head, cos_sin_cache,
                            out_k, out_v)

@@ -520,10 +520,10 @@ class DeltaKVCacheManager(CacheManager):
                 pos = self.positions[0, a:a + m].long()
                 latent_slots = step.block_tables[b].long()[pos // P] * P + pos % P
                 up_z = codec.up(self.latents[i][latent_slots]).view(1, m, -1)
-                nbr = self.neighbors[i][latent_slots].view(1, m, -1)
                 reconstruct(pos.view(1, m).to(torch.int32), torch.full((1,), m, dtype=torch.int32, device=self.device),
-                            rows[b:b + 1], self.raw_map, k_cache, v_cache, up_z.contiguous(), nbr, 0, self.cos_sin,
-                            out_k[off + a:off + a + m], out_v[off + a:off + a + m])
+                            rows[b:b + 1], self.raw_map, k_cache, v_cache, up_z.contiguous(), self.neighbors[i],
+                            latent_slots.view(1, m), 0, self.cos_sin, out_k[off + a:off + a + m],
+                            out_v[off + a:off + a + m])
         return PrefillView(out_k, out_v, table, step.cache_lens, 1)
 
     def build_decode_view(self, layer_id: int, q: torch.Tensor, step: StepState) -> DecodeView:
@@ -547,10 +547,11 @@ class DeltaKVCacheManager(CacheManager):
         i = self.index[layer_id]
         B = view_pos.shape[0]
         up_z = self.codecs[i].up(self.latents[i][latent_slots])                     # [B, keep, 2 H D]
-        nbr = self.neighbors[i][latent_slots]
         k_cache, v_cache = self.raw.layer(i)
+        # the kernel reads each token's references through its latent slot (no gather launch)
         reconstruct(view_pos, lengths, step.extras["deltakv_rows"], self.raw_map, k_cache, v_cache, up_z.contiguous(),
-                    nbr, self.method_config.deltakv_sink, self.cos_sin, self.scratch_k, self.scratch_v)
+                    self.neighbors[i], latent_slots, self.method_config.deltakv_sink, self.cos_sin, self.scratch_k,
+                    self.scratch_v)
         return DecodeView(self.scratch_k, self.scratch_v, self.view_slots[:B], lengths.view(B, 1), 1)
 
     def _select(self, scores: torch.Tensor, step: StepState):
