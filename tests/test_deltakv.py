@@ -5,6 +5,7 @@ float64 oracle, raw slots really freed and returned, the sizing against vanilla,
 against their references (interpreter on CPU, bf16 and graph == eager on the GPU). The trainer is
 tested in test_deltakv_compressor.py."""
 import os
+from collections import deque
 
 import numpy as np
 import torch
@@ -76,11 +77,11 @@ def count_compressions(llm):
     log = {"tokens": 0}
     compress = cm._compress
 
-    def counted(jobs):
+    def counted(jobs, *args):
         log["tokens"] += sum(end - start for _, _, start, end in jobs)
         log["calls"] = log.get("calls", 0) + 1
         log["most_batched"] = max(log.get("most_batched", 0), len(jobs))
-        return compress(jobs)
+        return compress(jobs, *args)
     cm._compress = counted
     return log
 
@@ -108,6 +109,8 @@ def test_default_full_layers_are_the_papers_scaled_to_the_depth():
     (dict(load_format="dummy", deltakv_recent=0), "deltakv_recent=0 is invalid"),
     (dict(load_format="dummy", deltakv_decode_keep=0), "deltakv_decode_keep=0 is invalid"),
     (dict(load_format="dummy", deltakv_compress_windows=0), "deltakv_compress_windows=0 is invalid"),
+    (dict(load_format="dummy", deltakv_compress_steps=0), "deltakv_compress_steps=0 is invalid"),
+    (dict(load_format="dummy", deltakv_compress_steps=129), "deltakv_compress_steps=129 is invalid.*deltakv_recent"),
 ])
 def test_bad_knobs_are_rejected_before_any_model_loads(knobs, msg):
     with pytest.raises(ValueError, match=msg):
@@ -384,9 +387,9 @@ def test_compress_windows_takes_several_windows_a_time_and_the_same_latents(tiny
         cm = llm.engine.cache_manager
         log, tails, compress = {"sizes": []}, [], cm._compress
 
-        def counted(jobs, compress=compress, log=log):
+        def counted(jobs, *args, compress=compress, log=log):
             log["sizes"] += [end - start for _, _, start, end in jobs]
-            return compress(jobs)
+            return compress(jobs, *args)
         cm._compress = counted
         end_step = cm.on_step_end
 
@@ -398,8 +401,9 @@ def test_compress_windows_takes_several_windows_a_time_and_the_same_latents(tiny
             llm.generate([p], sp, use_tqdm=False)          # alone: the slots of a token equal across runs
             seen[m, len(seen)] = (cm.latents.clone(), cm.neighbors.clone())
         decode_sizes = [x for x in log["sizes"] if x == m * w]
-        assert max(tails) < (m + 1) * w and decode_sizes
-        assert sum(cm.method_config.compressed_until(len(p), len(p) + 120) - sink for p in ps) == sum(log["sizes"])
+        # a decode-time compression takes effect spread - 1 steps after the tail reaches m + 1 windows
+        assert max(tails) == (m + 1) * w + cm.spread - 2 and decode_sizes and cm.spread > 1
+        assert sum(cm.method_config.compressed_until(len(p), len(p) + 120, cm.spread) - sink for p in ps) == sum(log["sizes"])
         assert cm.raw_slots.num_free == cm.raw_slots.num_slots
     for i in range(2):
         (lat1, nbr1), (lat3, nbr3) = seen[1, i], seen[3, i + 2]
@@ -654,6 +658,80 @@ def test_overlap_equals_no_overlap_with_compressions_and_mixed_finishes(tiny_mod
             assert not pre_sync and not pre_over and got == want
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_compression_spread_over_steps_keeps_outputs_when_requests_leave_mid_way(tiny_model, tmp_path,
+                                                                                 async_scheduling):
+    """A decode-time compression runs a share of the sparse layers a step (deltakv_compress_steps):
+    requests that finish while theirs is under way leave it (their pages and raw slots go to the
+    requests admitted next, whose latents must not be overwritten), the others' compression goes on.
+    With an identity compressor and a keep covering every token DeltaKV equals vanilla, so any
+    latent written to the wrong slot or token freed too early changes the tokens."""
+    path = tiny_model("llama", num_hidden_layers=8)
+    comp = compressor(path, tmp_path / "c", "identity")
+    lengths = [70, 61, 90, 66, 75, 83, 58, 95]
+    ps = prompts(lengths, seed=21)
+    # each request ends 1-4 steps after a decode-time compression of its starts (the tail reaches
+    # 2 windows of 16 at comp_end + 32, comp_end from the prompt's own compression)
+    knobs = make_config(path, "deltakv", load_format="dummy", **SMALL).method_config
+    starts = [knobs.compress_to(4, n) + 32 + 16 * (i % 2) for i, n in enumerate(lengths)]
+    params = [SamplingParams(temperature=0.0, max_tokens=t - n + 1 + i % 4, ignore_eos=True)
+              for i, (t, n) in enumerate(zip(starts, lengths))]
+    want = [o.outputs[0].token_ids for o in LLM(path, device="cpu").generate(ps, params, use_tqdm=False)]
+    llm = LLM(path, vllm_sparse_method="deltakv", device="cpu", deltakv_compressor_path=comp, deltakv_decode_keep=512,
+              deltakv_compress_steps=5, max_num_seqs=3, async_scheduling=async_scheduling, **SMALL)
+    cm = llm.engine.cache_manager
+    assert cm.spread == 5   # six sparse layers: one or two a step
+
+    class MostRecentFirst(deque):   # a freed page goes to the next request at once
+        def append(self, page):
+            self.appendleft(page)
+    cm.allocator.free_clean = MostRecentFirst(cm.allocator.free_clean)
+    drops, drop = [], cm._drop
+    cm._drop = lambda req: drops.append(req) or drop(req)
+    pending = []
+    end_step = cm.on_step_end
+    cm.on_step_end = lambda step: end_step(step) or pending.append(len(cm.events))
+    log = count_compressions(llm)
+    got = [o.outputs[0].token_ids for o in llm.generate(ps, params, use_tqdm=False)]
+    assert got == want
+    assert log["tokens"] > 100 and max(pending) >= 1 and drops and not cm.events
+    assert cm.allocator.is_idle() and cm.raw_slots.num_free == cm.raw_slots.num_slots and not cm.requests
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_request_aborted_mid_compression_does_not_write_into_its_old_pages(tiny_model, tmp_path,
+                                                                            async_scheduling):
+    """A request aborted one step into its decode-time compression: its pages go at once to a longer
+    prompt whose own compression covers them; the rest of the aborted request's compression must not
+    write its latents there. Identity compressor + a keep covering everything: equal to vanilla."""
+    path = tiny_model("llama", num_hidden_layers=8)
+    comp = compressor(path, tmp_path / "c", "identity")
+    pa, pb, pc = prompts([90, 90, 120], seed=4)   # a and b compress in the same steps, together
+    sb, sc = (SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (50, 30))
+    want = [o.outputs[0].token_ids for o in LLM(path, device="cpu").generate([pb, pc], [sb, sc], use_tqdm=False)]
+    llm = LLM(path, vllm_sparse_method="deltakv", device="cpu", deltakv_compressor_path=comp, deltakv_decode_keep=512,
+              deltakv_compress_steps=5, max_num_seqs=2, async_scheduling=async_scheduling, **SMALL)
+    eng, cm = llm.engine, llm.engine.cache_manager
+
+    class MostRecentFirst(deque):   # a freed page goes to the next request at once
+        def append(self, page):
+            self.appendleft(page)
+    cm.allocator.free_clean = MostRecentFirst(cm.allocator.free_clean)
+    a = eng.add_request(pa, SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True))
+    b = eng.add_request(pb, sb)
+    under_way = lambda: [e for e in cm.events if any(p[0] is cm.requests.get(a.seq_id) for p in e.plans)]
+    while not under_way():
+        eng.step()
+    event = under_way()[0]
+    assert event.layers_done < len(cm.codecs) and len(event.plans) == 2
+    eng.abort(a)
+    c = eng.add_request(pc, sc)
+    while eng.has_work():
+        eng.step()
+    assert [b.completion_token_ids, c.completion_token_ids] == want
+    assert cm.allocator.is_idle() and cm.raw_slots.num_free == cm.raw_slots.num_slots and not cm.events
+
+
 # ---------------------------------------------------------------- GPU
 
 @gpu
@@ -721,3 +799,29 @@ def test_gpu_deltakv_dummy_compressor_bf16_graphs_free_raw_slots(tiny_model):
     outs = run(llm, prompts([700, 650, 90], seed=10), SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True))
     assert all(len(o) == 50 for o in outs)
     assert max(used) < (700 + 650) / 2
+
+
+@gpu
+def test_gpu_decode_time_compression_never_waits_for_the_device(tiny_model, tmp_path):
+    """A decode step's compression work (planning, a share of the layers, marking the tokens
+    compressed) only queues device work: a synchronising call there would stall overlapped
+    scheduling (a scalar index_put from host memory cost ~12 ms a 128K x 4 step on the H200)."""
+    path = tiny_model("llama", num_hidden_layers=8)
+    comp = compressor(path, tmp_path / "c", "random", latent=8)
+    llm = LLM(path, vllm_sparse_method="deltakv", device="cuda", deltakv_compressor_path=comp, deltakv_decode_keep=20,
+              deltakv_compress_steps=3, **SMALL)
+    cm, under_way = llm.engine.cache_manager, []
+    on_step_end = cm.on_step_end
+
+    def strict(step):
+        if step.is_prefill:
+            return on_step_end(step)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            on_step_end(step)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        under_way.append(len(cm.events))
+    cm.on_step_end = strict
+    outs = run(llm, prompts([300, 90, 140], seed=2), SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True))
+    assert all(len(o) == 60 for o in outs) and max(under_way) >= 1

@@ -91,7 +91,8 @@ def sample_step(step: StepState, logits: torch.Tensor, generators: dict[int, tor
     if masked:
         shaped = shaped.clone() if shaped is raw else shaped
         rows, ids = zip(*masked)
-        shaped[to_device(rows, dev), to_device(ids, dev)] = float("-inf")
+        # the value made on the device: a Python scalar is copied from pageable memory (a sync)
+        shaped.index_put_((to_device(rows, dev), to_device(ids, dev)), torch.full((), float("-inf"), dtype=shaped.dtype, device=dev))
     tokens = sample(shaped, [s.params for s in seqs], [generators.get(s.seq_id) for s in seqs], default_generator)
     forced = [(j, s.forced_token_ids[s.num_generated]) for j, s in enumerate(seqs) if s.forced_token_ids is not None]
     if forced:
