@@ -72,6 +72,13 @@ def run(llm, ps, sp=GREEDY):
     return [o.outputs[0].token_ids for o in outs]
 
 
+class MostRecentFirst(deque):
+    """A free-page list that hands a freed page to the next request at once."""
+
+    def append(self, page):
+        self.appendleft(page)
+
+
 def count_compressions(llm):
     cm = llm.engine.cache_manager
     log = {"tokens": 0}
@@ -681,10 +688,6 @@ def test_compression_spread_over_steps_keeps_outputs_when_requests_leave_mid_way
               deltakv_compress_steps=5, max_num_seqs=3, async_scheduling=async_scheduling, **SMALL)
     cm = llm.engine.cache_manager
     assert cm.spread == 5   # six sparse layers: one or two a step
-
-    class MostRecentFirst(deque):   # a freed page goes to the next request at once
-        def append(self, page):
-            self.appendleft(page)
     cm.allocator.free_clean = MostRecentFirst(cm.allocator.free_clean)
     drops, drop = [], cm._drop
     cm._drop = lambda req: drops.append(req) or drop(req)
@@ -712,10 +715,6 @@ def test_a_request_aborted_mid_compression_does_not_write_into_its_old_pages(tin
     llm = LLM(path, vllm_sparse_method="deltakv", device="cpu", deltakv_compressor_path=comp, deltakv_decode_keep=512,
               deltakv_compress_steps=5, max_num_seqs=2, async_scheduling=async_scheduling, **SMALL)
     eng, cm = llm.engine, llm.engine.cache_manager
-
-    class MostRecentFirst(deque):   # a freed page goes to the next request at once
-        def append(self, page):
-            self.appendleft(page)
     cm.allocator.free_clean = MostRecentFirst(cm.allocator.free_clean)
     a = eng.add_request(pa, SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True))
     b = eng.add_request(pb, sb)
