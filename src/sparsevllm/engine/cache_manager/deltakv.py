@@ -36,10 +36,11 @@ work (gathers, nearest references, the GEMMs) is queued after the step's forward
 synchronises. A prefill chunk's compression runs at its step's end; a decode step's runs its
 sparse layers in `deltakv_compress_steps` shares, one per step from the step that starts it (host
 launches of ~2.5 ms a layer hide behind the forwards that way), and its tokens stay raw, in the
-decode view's tail, until the last share; a request freed meanwhile leaves it, the others' goes on. Prefill is chunked: a chunk after the first attends (densely, unchanged math
-otherwise) to its prefix as the sparse layers hold it, the compressed tokens rebuilt into a
-per-step scratch, as the compressor was trained (attention over reconstructed KV). So a long prompt
-never sits raw in the sparse layers beyond one chunk and its raw tail.
+decode view's tail, until the last share; a request freed meanwhile leaves it, the others' goes on.
+Prefill is chunked: a chunk after the first attends (densely, unchanged math otherwise) to its
+prefix as the sparse layers hold it, the compressed tokens rebuilt into a per-step scratch, as the
+compressor was trained (attention over reconstructed KV). So a long prompt never sits raw in the
+sparse layers beyond one chunk and its raw tail.
 
 Deviations:
 - Prefix caching is off (capabilities): a hit would share full-layer pages but not the sparse
