@@ -731,6 +731,24 @@ def test_a_request_aborted_mid_compression_does_not_write_into_its_old_pages(tin
     assert cm.allocator.is_idle() and cm.raw_slots.num_free == cm.raw_slots.num_slots and not cm.events
 
 
+def test_compression_shares_follow_the_requests_decode_steps_not_prefills(tiny_model, tmp_path):
+    """Prefill steps fall between a compression's shares (two requests at a time, the others admitted
+    as they finish), and overlapped scheduling admits a step later: the shares advance on the steps
+    that decode the compressing requests, so async on == off token for token."""
+    path = tiny_model("llama", num_hidden_layers=8)
+    comp = compressor(path, tmp_path / "c", "random", latent=4)
+    ps = prompts([130, 130, 3, 64, 300, 130], seed=0)
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (59, 46, 69, 53, 35, 72)]
+    knobs = dict(vllm_sparse_method="deltakv", device="cpu", deltakv_compressor_path=comp, deltakv_decode_keep=8,
+                 deltakv_compress_steps=2, max_num_seqs=2, page_size=8, chunk_prefill_size=256, **SMALL)
+    outs = []
+    for async_scheduling in (False, True):
+        llm = LLM(path, async_scheduling=async_scheduling, **knobs)
+        outs.append([o.outputs[0].token_ids for o in llm.generate(ps, params, use_tqdm=False)])
+        assert llm.engine.scheduler.num_preemptions == 0 and not llm.engine.cache_manager.events
+    assert outs[0] == outs[1]
+
+
 # ---------------------------------------------------------------- GPU
 
 @gpu

@@ -651,8 +651,14 @@ class DeltaKVCacheManager(CacheManager):
         # layer cost the host ~2.5 ms a layer (a 128K x 4 event: 65-71 ms of host time for 21 ms of
         # GPU work on the H200), which overlapped scheduling hides behind the next forward only a
         # share at a time. Its tokens stay raw (and in the decode view's tail) until the last share.
-        for event in list(self.events):
-            self._advance(event)
+        # Shares go with the steps that decode its requests, not prefill steps between them: where
+        # prefills fall differs with overlapped scheduling (it admits a step later), the number of
+        # tokens a request decodes before its compression takes effect must not.
+        if not step.is_prefill:
+            here = {id(self.requests[seq.seq_id]) for seq in step.seqs}
+            for event in list(self.events):
+                if any(id(p[0]) in here for p in event.plans if not p[0].dropped):
+                    self._advance(event)
 
     def _compress(self, jobs: list[tuple[Sequence, _Request, int, int]], spread: int = 1) -> None:
         """Compress positions [start, end) of each (seq, req, start, end) in every sparse layer and
