@@ -34,9 +34,10 @@ windows are compressed, leaving one window raw; the requests of one step are com
 as one padded batch. Bookkeeping is planned on the host from counters the host knows; the device
 work (gathers, nearest references, the GEMMs) is queued after the step's forward and never
 synchronises. A prefill chunk's compression runs at its step's end; a decode step's runs its
-sparse layers in `deltakv_compress_steps` shares, one per step from the step that starts it (host
-launches of ~2.5 ms a layer hide behind the forwards that way), and its tokens stay raw, in the
-decode view's tail, until the last share; a request freed meanwhile leaves it, the others' goes on.
+sparse layers in `deltakv_compress_steps` shares, one in each step that decodes its requests from
+the one that starts it (host launches of ~2.5 ms a layer hide behind the forwards that way; prefill
+steps between do not count), and its tokens stay raw, in the decode view's tail, until the last
+share; a request freed meanwhile leaves it, the others' goes on.
 Prefill is chunked: a chunk after the first attends (densely, unchanged math otherwise) to its
 prefix as the sparse layers hold it, the compressed tokens rebuilt into a per-step scratch, as the
 compressor was trained (attention over reconstructed KV). So a long prompt never sits raw in the
