@@ -165,7 +165,8 @@ def _param_dtype(module) -> torch.dtype:
 
 def reconstruct_ref(view_pos: torch.Tensor, lengths: torch.Tensor, rows: torch.Tensor, raw_map: torch.Tensor,
                     k_cache: torch.Tensor, v_cache: torch.Tensor, up_z: torch.Tensor, neighbors: torch.Tensor,
-                    latent_slots: torch.Tensor, head: int, cos_sin_cache: torch.Tensor, out_k: torch.Tensor, out_v: torch.Tensor) -> None:
+                    latent_slots: torch.Tensor, head: int, cos_sin_cache: torch.Tensor, out_k: torch.Tensor,
+                    out_v: torch.Tensor) -> None:
     """Fill the scratch slots of a sparse layer's decode view.
 
     view_pos: [B, C] positions (entry j of request b is scratch slot b * C + j); lengths: [B];
@@ -173,9 +174,10 @@ def reconstruct_ref(view_pos: torch.Tensor, lengths: torch.Tensor, rows: torch.T
     compressed); k_cache, v_cache: the layer's raw pool [num_slots, H, D], K after RoPE; up_z:
     [B, S, 2 * H * D] = up(z) of the selected tokens, entry j >= head using up_z[b, j - head];
     neighbors: [slots, k] every token's references' positions (-1: none), latent_slots [B, S] the
-    selected tokens' rows there (entry j >= head: latent_slots[b, j - head]); out_k, out_v: [B * C, H, D]. Raw
-    positions are copied; compressed ones become up(z) + mean of their references (rotated back to
-    before RoPE), K rotated to the true position. Entries past lengths[b] are left alone."""
+    selected tokens' rows there (entry j >= head: latent_slots[b, j - head]); out_k, out_v:
+    [B * C, H, D]. Raw positions are copied; compressed ones become up(z) + mean of their references
+    (rotated back to before RoPE), K rotated to the true position. Entries past lengths[b] are left
+    alone."""
     B, C = view_pos.shape
     H, D = k_cache.shape[1:]
     S = up_z.shape[1]
@@ -190,7 +192,7 @@ def reconstruct_ref(view_pos: torch.Tensor, lengths: torch.Tensor, rows: torch.T
     # compressed entries: x = up(z) + r, r the mean of the references (RoPE undone), K re-rotated
     bi, ji = torch.nonzero(live & (slot < 0), as_tuple=True)
     si = (ji - head).clamp(0, S - 1)
-    refs = neighbors[latent_slots[bi, si].long()].long()                                                         # [n, k]
+    refs = neighbors[latent_slots[bi, si].long()].long()                              # [n, k]
     ok = (refs >= 0).float().unsqueeze(-1)
     ref_slot = raw_map[rows.long()[bi].view(-1, 1), refs.clamp(min=0)].long().clamp(min=0)
     cos, sin = _cos_sin(cos_sin_cache, refs.clamp(min=0))
@@ -279,17 +281,16 @@ def reconstruct_triton(view_pos, lengths, rows, raw_map, k_cache, v_cache, up_z,
     assert out_k.stride() == out_v.stride() and up_z.shape[-1] == 2 * H * D and latent_slots.shape == (B, S)
     if B and C:
         _reconstruct_kernel[(B, C)](
-            view_pos, lengths, rows, raw_map, k_cache, v_cache, up_z, neighbors, latent_slots, cos_sin_cache, out_k, out_v, head,
-            view_pos.stride(0), raw_map.stride(0), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0),
-            v_cache.stride(1), up_z.stride(0), up_z.stride(1), neighbors.stride(0), latent_slots.stride(0),
-            cos_sin_cache.stride(0), out_k.stride(0), out_k.stride(1), C, S, min(raw_map.shape[1], cos_sin_cache.shape[0]),
+            view_pos, lengths, rows, raw_map, k_cache, v_cache, up_z, neighbors, latent_slots, cos_sin_cache,
+            out_k, out_v, head, view_pos.stride(0), raw_map.stride(0), k_cache.stride(0), k_cache.stride(1),
+            v_cache.stride(0), v_cache.stride(1), up_z.stride(0), up_z.stride(1), neighbors.stride(0),
+            latent_slots.stride(0), cos_sin_cache.stride(0), out_k.stride(0), out_k.stride(1), C, S,
+            min(raw_map.shape[1], cos_sin_cache.shape[0]),
             H=H, D=D, HALF=D // 2, NBR=NBR, BLOCK_H=pow2(H), BLOCK_HALF=pow2(D // 2), num_warps=4)
 
 
 def reconstruct(view_pos, lengths, rows, raw_map, k_cache, v_cache, up_z, neighbors, latent_slots, head, cos_sin_cache,
                 out_k, out_v):
-    if use_triton(k_cache):
-        return reconstruct_triton(view_pos, lengths, rows, raw_map, k_cache, v_cache, up_z, neighbors, latent_slots, head,
-                                  cos_sin_cache, out_k, out_v)
-    return reconstruct_ref(view_pos, lengths, rows, raw_map, k_cache, v_cache, up_z, neighbors, latent_slots, head, cos_sin_cache,
-                           out_k, out_v)
+    impl = reconstruct_triton if use_triton(k_cache) else reconstruct_ref
+    return impl(view_pos, lengths, rows, raw_map, k_cache, v_cache, up_z, neighbors, latent_slots, head, cos_sin_cache,
+                out_k, out_v)

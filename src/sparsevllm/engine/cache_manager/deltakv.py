@@ -655,16 +655,15 @@ class DeltaKVCacheManager(CacheManager):
         # Shares go with the steps that decode its requests, not prefill steps between them: where
         # prefills fall differs with overlapped scheduling (it admits a step later), the number of
         # tokens a request decodes before its compression takes effect must not.
-        if not step.is_prefill:
-            here = {id(self.requests[seq.seq_id]) for seq in step.seqs}
-            for event in list(self.events):
-                if any(id(p[0]) in here for p in event.plans if not p[0].dropped):
-                    self._advance(event)
+        if not step.is_prefill and self.events:
+            under_way = {id(self.requests[seq.seq_id].event) for seq in step.seqs}
+            for event in [e for e in self.events if id(e) in under_way]:
+                self._advance(event)
 
     def _compress(self, jobs: list[tuple[Sequence, _Request, int, int]], spread: int = 1) -> None:
         """Compress positions [start, end) of each (seq, req, start, end) in every sparse layer and
         free their raw slots (references keep theirs): now (spread 1), or a share of the layers in
-        each of the next `spread` on_step_end calls, this one included."""
+        each of the next `spread` decode steps of its requests, this one included."""
         event = _Event(jobs, *self._plan(jobs))
         if spread == 1:
             self._run_layers(event, len(self.codecs))
@@ -783,17 +782,15 @@ class DeltaKVCacheManager(CacheManager):
     @torch.inference_mode()
     def _finish_event(self, event: _Event) -> None:
         """Every layer holds the latents: mark the tokens compressed and free their raw slots."""
-        live = [(req, tok_pos) for req, tok_pos, _, _ in event.plans if not req.dropped]
-        rows = np.concatenate([np.full(len(tok_pos), req.row) for req, tok_pos in live] + [np.zeros(0, np.int64)])
-        pos = np.concatenate([tok_pos for _, tok_pos in live] + [np.zeros(0, np.int64)])
+        live = [(req, tok_pos, end) for (req, tok_pos, _, _), (_, _, _, end) in zip(event.plans, event.jobs)
+                if not req.dropped]
+        rows = np.concatenate([np.full(len(tok_pos), req.row) for req, tok_pos, _ in live] + [np.zeros(0, np.int64)])
+        pos = np.concatenate([tok_pos for _, tok_pos, _ in live] + [np.zeros(0, np.int64)])
         dev = to_device(np.concatenate([rows, pos]).astype(np.int64), self.device)
         # A device-side -1: `raw_map[...] = -1` copies the scalar from pageable host memory, which
         # waits for the queued forward (~12 ms a 128K x 4 decode step on the H200, under overlap).
         self.raw_map.index_put_((dev[:len(rows)], dev[len(rows):]), self.compressed_mark)
-        for req, tok_pos in live:
+        for req, tok_pos, end in live:
             self.raw_slots.give(req.slots[tok_pos])
             req.slots[tok_pos] = -1
-            req.event = None
-        for _, req, _, end in event.jobs:
-            if not req.dropped:
-                req.comp_end = end
+            req.event, req.comp_end = None, end
