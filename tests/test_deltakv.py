@@ -231,8 +231,11 @@ def test_engine_with_the_shortlist_equals_the_full_ranking(tiny_model, tmp_path,
     from sparsevllm.engine.cache_manager import deltakv
     monkeypatch.setattr(deltakv, "SHORTLIST", 8)
     monkeypatch.setattr(deltakv, "SHORTLIST_TOKENS", 64)   # decode windows: shortlist, in several rounds
+    monkeypatch.setattr(deltakv, "REF_BUCKET", 16)      # decode windows padded: tokens to 8, references to 16
+    monkeypatch.setattr(deltakv, "TOKEN_BUCKET", 8)
     rounds = []
-    monkeypatch.setattr(deltakv, "shortlist", lambda x, *a: rounds.append(x.shape) or kd.shortlist(x, *a))
+    monkeypatch.setattr(deltakv, "shortlist",
+                        lambda x, refs, *a: rounds.append((*x.shape, refs.shape[1])) or kd.shortlist(x, refs, *a))
     path = model(tiny_model)
     comp = compressor(path, tmp_path / "c", "random", latent=4)
     ps = prompts([300, 132, 200], seed=8)
@@ -246,7 +249,8 @@ def test_engine_with_the_shortlist_equals_the_full_ranking(tiny_model, tmp_path,
         results.append((run(llm, ps, sp), cm))
     (full, cm_f), (short, cm_s) = results
     assert cm_s.neighbors.ge(0).sum() > 100        # many tokens were compressed
-    assert rounds and max(b * n for b, n, _ in rounds) <= 64    # the shortlist ran, on decode windows only
+    assert rounds and max(b * n for b, n, _, _ in rounds) <= 64    # the shortlist ran, on decode windows only
+    assert all(r % 16 == 0 for _, _, _, r in rounds)             # reference counts repeat across events
     assert torch.equal(cm_f.neighbors, cm_s.neighbors)
     torch.testing.assert_close(cm_f.latents, cm_s.latents, atol=1e-5, rtol=1e-5)
     assert full == short

@@ -93,6 +93,8 @@ logger = logging.getLogger(__name__)
 COMPRESS_CHUNK = 8192   # tokens compressed together: [8192, 2 H D] fp32 + [8192, refs] distances
 COMPRESS_REFS = 65536   # references a compression batch gathers: [65536, 2 H D] fp32 (512 MiB at 8 x 128)
 SHORTLIST = 32          # GPU: candidates a token keeps from the bf16 ranking, then ranked exactly in fp32
+REF_BUCKET = 1024       # GPU decode windows: references padded to a multiple (see _plan)
+TOKEN_BUCKET = 64       # GPU decode windows: tokens padded to a multiple (see _plan)
 SHORTLIST_TOKENS = 512  # GPU: the most tokens a request may compress for the shortlist, and tokens shortlisted
                         # together: [512, 32, 2 H D] fp32 candidates (64 MiB at 8 x 128)
 PREFIX_PIECE = 16384    # prefix tokens rebuilt together for a prefill chunk: bounds the up(z) GEMM's output
@@ -712,8 +714,23 @@ class DeltaKVCacheManager(CacheManager):
             table = self.tables.arrays[seq.seq_id]
             plans.append((req, tok_pos, ref_pos, table[tok_pos // P].astype(np.int64) * P + tok_pos % P))
         B = len(plans)
-        n = max(len(p[1]) for p in plans)
-        R = max(len(p[2]) for p in plans)
+        n, R = max(len(p[1]) for p in plans), max(len(p[2]) for p in plans)
+        # Chunks of tokens bound the transient [B, chunk, F] and [B, chunk, R] tensors (a 128K prompt
+        # is compressed at once), and each chunk is compared only with the references before it.
+        # The shortlist pays where a pass over every reference serves few tokens (a decode step's
+        # windows). A prefill chunk's thousands of tokens keep the full fp32 ranking: one dense GEMM
+        # beats 16 shortlist rounds of candidate gathers (with the shortlist there too, 128K x 4
+        # prefill fell from 5,200 to 4,700 tok/s on the H200).
+        short = self.shortlist and n <= SHORTLIST_TOKENS
+        c = max(1, (SHORTLIST_TOKENS if short else COMPRESS_CHUNK) // B)
+        if short:
+            # Decode windows padded so the GEMM shapes repeat from event to event: the first cuBLAS
+            # call of a new shape costs the host 12-13 ms (the shortlist's [B, n, F] x [B, F, refs],
+            # 128K x 4 on the H200, profiled), at every event's first layer as the references grow.
+            # Padding tokens sit at position -1 and padding references after every token: never
+            # chosen. No chunk is padding only (n stays within the chunks the real tokens need).
+            n = min(-(-n // TOKEN_BUCKET) * TOKEN_BUCKET, -(-n // c) * c)
+            R = -(-R // REF_BUCKET) * REF_BUCKET
         t_slots, r_slots = np.zeros((B, n), np.int64), np.zeros((B, R), np.int64)
         t_key, r_key = np.full((B, n), -1, np.int64), np.full((B, R), 1 << 40, np.int64)
         for b, (req, tok_pos, ref_pos, _) in enumerate(plans):
@@ -726,19 +743,12 @@ class DeltaKVCacheManager(CacheManager):
         parts = torch.split(to_device(np.concatenate(host), self.device), [len(h) for h in host])
         t_slots_d, t_key_d, r_slots_d, r_key_d = (t.view(B, -1) for t in parts[:4])
         t_rot, r_rot = t_key_d.clamp(min=0), r_key_d.where(r_key_d < (1 << 40), 0)   # rotation positions
-        # Chunks of tokens bound the transient [B, chunk, F] and [B, chunk, R] tensors (a 128K prompt
-        # is compressed at once), and each chunk is compared only with the references before it.
-        # The shortlist pays where a pass over every reference serves few tokens (a decode step's
-        # windows). A prefill chunk's thousands of tokens keep the full fp32 ranking: one dense GEMM
-        # beats 16 shortlist rounds of candidate gathers (with the shortlist there too, 128K x 4
-        # prefill fell from 5,200 to 4,700 tok/s on the H200).
-        short = self.shortlist and n <= SHORTLIST_TOKENS
-        c = max(1, (SHORTLIST_TOKENS if short else COMPRESS_CHUNK) // B)
         # Per chunk, what every layer reuses: the tokens' slots and rotations, flattened once.
         chunks = []
         for a in range(0, n, c):
             e = min(a + c, n)
             nref = max(int(np.searchsorted(p[2], p[1][min(e, len(p[1])) - 1])) for p in plans if a < len(p[1]))
+            nref = min(R, -(-nref // REF_BUCKET) * REF_BUCKET) if short else nref
             chunks.append((a, e, nref, t_slots_d[:, a:e].flatten(), t_rot[:, a:e].flatten()))
         ref_meta = torch.stack([r_slots_d, r_rot, r_key_d]) if short else None   # one gather a layer picks all three
         return plans, dict(t_key=t_key_d, r_slots=r_slots_d, r_rot=r_rot, r_key=r_key_d, keep=parts[4],
