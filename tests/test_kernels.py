@@ -418,6 +418,45 @@ def test_gpu_skinny_silu_mul_equals_the_two_launches_on_llamas_gate_up_bf16():
 
 
 @gpu
+def test_gpu_decoder_gemms_launched_back_to_back_under_a_graph_match_eager_and_the_reference_bf16():
+    """Three Llama-3.1-8B layers' decode GEMMs and norms as programmatic dependent launches (on an
+    sm_90+ GPU): each starts while the one before drains and must wait for its output (gdc_wait).
+    Replayed from a CUDA graph they give eager's bits; one layer matches the fp32 reference."""
+    g = torch.Generator().manual_seed(16)
+    bf = torch.bfloat16
+    w = {name: (torch.randn(n, k, generator=g) * 0.02).cuda().to(bf)
+         for name, n, k in (("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336))}
+    g1, g2 = ((torch.rand(4096, generator=g) + 0.5).cuda().to(bf) for _ in range(2))
+
+    def block(h, norm, lin, silu, layers=3):
+        res = None
+        for _ in range(layers):   # each kernel reads the one before's output
+            x, res = (norm(h, g1, 1e-5), h) if res is None else norm(h, g1, 1e-5, res)
+            h = lin(lin(x, w["qkv"])[:, :4096], w["o"])
+            x, res = norm(h, g2, 1e-5, res)
+            h = lin(silu(x, w["gate_up"]), w["down"])
+        return h + res
+
+    fused = (rmsnorm.rms_norm, skinny_gemm.linear, skinny_gemm.linear_silu_mul)
+    for rows in (1, 4):
+        h = torch.randn(rows, 4096, generator=g).cuda().to(bf)
+        assert skinny_gemm.takes(h, w["qkv"])
+        eager = block(h, *fused)
+        static = h.clone()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = block(static, *fused)
+        for _ in range(3):
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(out, eager)
+        want = block(h.float(), rmsnorm.rms_norm_ref, lambda x, wt: skinny_gemm.skinny_linear_ref(x, wt.float()),
+                     lambda x, wt: skinny_gemm.skinny_silu_mul_ref(x, wt.float()), layers=1)
+        got = block(h, *fused, layers=1).float()
+        assert (got - want).norm() / want.norm() < 1e-2
+
+
+@gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 def test_gpu_attention_kernels_match_reference_in_fp16_and_fp32(dtype):
     g = torch.Generator().manual_seed(13)

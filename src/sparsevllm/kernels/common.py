@@ -4,6 +4,7 @@ Triton is optional (CPU installs may lack it). Without it, `jit` leaves the kern
 function that is never called and `tl.constexpr` still resolves, so the modules import and the
 dispatchers fall back to the torch references.
 """
+import functools
 import os
 import types
 
@@ -16,13 +17,37 @@ except ImportError:
     triton = None
     tl = types.SimpleNamespace(constexpr=int)
     jit = lambda fn: fn  # noqa: E731
+    gdc_wait = gdc_launch_dependents = prefetch_l2 = None
 else:
     jit = triton.jit
+    try:
+        from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+    except ImportError:   # an older Triton: pdl() says no
+        gdc_wait = gdc_launch_dependents = None
+
+    @jit
+    def prefetch_l2(ptrs):
+        """Ask L2 for the lines at `ptrs` (one pointer a 128-byte line is enough); nothing returned."""
+        tl.inline_asm_elementwise("prefetch.global.L2 [$1];", "=r,l", [ptrs], dtype=tl.int32, is_pure=False, pack=1)
 
 
 def use_triton(x: torch.Tensor) -> bool:
     """CUDA tensors go to the Triton kernels, everything else to the references."""
     return triton is not None and x.is_cuda
+
+
+def pdl() -> bool:
+    """Whether kernels launch as programmatic dependent launches (griddepcontrol, Hopper and newer):
+    a kernel starts while the one before drains and waits for its output in `gdc_wait`. Not under
+    the interpreter (no PTX there), not where Triton lacks it, not where the device predates sm_90,
+    not with SPARSEVLLM_PDL=0 (to measure what it brings)."""
+    return os.environ.get("TRITON_INTERPRET") != "1" and _pdl_device()
+
+
+@functools.cache
+def _pdl_device() -> bool:
+    return (gdc_wait is not None and os.environ.get("SPARSEVLLM_PDL", "1") != "0" and torch.cuda.is_available()
+            and torch.cuda.get_device_capability()[0] >= 9)
 
 
 def upcast_loads(dtype: torch.dtype) -> bool:

@@ -5,7 +5,7 @@ program per token), where the reference reads the row three times.
 """
 import torch
 
-from sparsevllm.kernels.common import jit, pow2, tl, use_triton
+from sparsevllm.kernels.common import gdc_launch_dependents, gdc_wait, jit, pdl, pow2, tl, use_triton
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -23,7 +23,10 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
 @jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, eps,
                      stride_x, stride_r, stride_o, stride_ro,
-                     H: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+                     H: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr, PDL: tl.constexpr):
+    if PDL:   # between two PDL GEMMs on decode steps: let the next one start, wait for the one before
+        gdc_launch_dependents()
+        gdc_wait()
     t = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < H
@@ -53,12 +56,13 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float,
         assert res_out.dtype == x.dtype, "residual must not promote x's dtype"
     else:
         r2 = res_out = x2   # unused
+    on = pdl()
     if x2.shape[0]:
         _rms_norm_kernel[(x2.shape[0],)](
             x2, r2, weight, out, res_out, eps,
             x2.stride(0), r2.stride(0), out.stride(0), res_out.stride(0),
-            H=H, BLOCK=pow2(H), HAS_RESIDUAL=residual is not None,
-            num_warps=4 if H <= 2048 else 8)
+            H=H, BLOCK=pow2(H), HAS_RESIDUAL=residual is not None, PDL=on,
+            num_warps=4 if H <= 2048 else 8, **({"launch_pdl": True} if on else {}))
     out = out.view(x.shape)
     return out if residual is None else (out, res_out.view(x.shape))
 

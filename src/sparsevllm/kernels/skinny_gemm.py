@@ -15,11 +15,18 @@ only weights wide enough to give every SM a program (smaller models keep cuBLAS)
 
 The MLP's gate_up goes through linear_silu_mul: the same kernel with SiLU(gate) * up in its
 epilogue, so a decode step has no separate activation launch and no [M, 2I] intermediate.
+
+On the GPU every launch is a programmatic dependent launch (PDL, see common.pdl): the kernel lets
+the next one start early (`gdc_launch_dependents`), asks L2 for its first weight tile and only then
+waits for the kernel before (`gdc_wait`): a GEMM's weight stream starts while the kernel before it
+drains. A CUDA graph of 32 layers' GEMMs (4 rows, Llama-3.1-8B shapes) replayed in 3.831 ms
+against 3.941 ms without (H200, 2026-12-04).
 """
 import torch
 import torch.nn.functional as F
 
-from sparsevllm.kernels.common import dot_precision, jit, tl, upcast_loads, use_triton
+from sparsevllm.kernels.common import dot_precision, gdc_launch_dependents, gdc_wait, jit, pdl, prefetch_l2, tl
+from sparsevllm.kernels.common import upcast_loads, use_triton
 from sparsevllm.kernels.silu_mul import silu_and_mul, silu_and_mul_ref
 
 MAX_ROWS = 16          # rows of x the kernel takes (one 16-row tensor-core tile)
@@ -34,7 +41,7 @@ def skinny_linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
 @jit
 def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
                    HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr):
+                   BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr, PDL: tl.constexpr):
     # SILU_MUL: the weight is [gate; up] with N rows each, y = silu(x @ gate.T) * (x @ up.T) [M, N];
     # a program streams gate rows `cols` and up rows N + `cols` together.
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -44,6 +51,14 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, st
     row_ok = rows < M
     w_rows = w_ptr + cols[:, None].to(tl.int64) * stride_wn   # int64: N * K passes 2^31 for an LM head
     u_rows = w_rows + N.to(tl.int64) * stride_wn
+    if PDL:   # the weights do not depend on the kernel before: ask for the first tile, then wait for x
+        gdc_launch_dependents()
+        lines = (w_ptr + tl.minimum(cols, N - 1)[:, None].to(tl.int64) * stride_wn
+                 + tl.arange(0, BLOCK_K // 64)[None, :] * 64)   # a pointer a 128-byte line (half types)
+        prefetch_l2(lines)
+        if SILU_MUL:
+            prefetch_l2(lines + N.to(tl.int64) * stride_wn)
+        gdc_wait()
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -90,10 +105,12 @@ def _skinny(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, si
     block_n, block_k, warps, stages = launch_config(N2)
     if silu_mul:   # a program streams block_n // 2 gate rows and as many up rows: the same tile as gate_up
         block_n //= 2
+    on = pdl()
     _skinny_kernel[(-(-N // block_n),)](
         x2, weight, bias if bias is not None else weight, y, M, N, K, x2.stride(0), weight.stride(0), y.stride(0),
         HAS_BIAS=bias is not None, SILU_MUL=silu_mul, BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k,
-        UPCAST=upcast_loads(x.dtype), DOT_PREC=dot_precision(x.dtype), num_warps=warps, num_stages=stages)
+        UPCAST=upcast_loads(x.dtype), DOT_PREC=dot_precision(x.dtype), PDL=on, num_warps=warps, num_stages=stages,
+        **({"launch_pdl": True} if on else {}))
     return y.view(*x.shape[:-1], N)
 
 
