@@ -8,10 +8,11 @@ their weight rows (no split, no reduce), the rows of x padded to 16 for the tens
 
 Measured on the H200 (graph-timed, weights cold in L2 as in scripts/benchmarks/bench_kernels.py,
 Llama-3.1-8B shapes, M = 1 / 4, cuBLAS -> this kernel at each shape's best launch settings; the rule
-in launch_config takes them for qkv, o_proj and down, near ones for gate_up and the LM head): qkv 15.9 -> 14.8 / 15.4 -> 14.9 us, o_proj 12.4 -> 10.8 / 12.5 -> 11.0, gate_up
-57.0 -> 56.7 / 61.0 -> 56.9, down 31.0 -> 29.7 / 31.3 -> 29.9, LM head 246 -> 236 / 248 -> 238. At
-32 rows cuBLAS is as fast or faster, so the kernel takes only steps of at most MAX_ROWS rows, and
-only weights wide enough to give every SM a program (smaller models keep cuBLAS).
+in launch_config takes them for qkv, o_proj and down, near ones for gate_up and the LM head): qkv
+15.9 -> 14.8 / 15.4 -> 14.9 us, o_proj 12.4 -> 10.8 / 12.5 -> 11.0, gate_up 57.0 -> 56.7 / 61.0 ->
+56.9, down 31.0 -> 29.7 / 31.3 -> 29.9, LM head 246 -> 236 / 248 -> 238.
+At 32 rows cuBLAS is as fast or faster, so the kernel takes only steps of at most MAX_ROWS rows,
+and only weights wide enough to give every SM a program (smaller models keep cuBLAS).
 
 The MLP's gate_up goes through linear_silu_mul: the same kernel with SiLU(gate) * up in its
 epilogue, so a decode step has no separate activation launch and no [M, 2I] intermediate.

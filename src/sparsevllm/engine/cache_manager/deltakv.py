@@ -432,7 +432,8 @@ class DeltaKVCacheManager(CacheManager):
         n_full, n_sparse = cls._layer_counts(config, None)
         total = prompt_len + output_len
         compressed = max(0, total - knobs.deltakv_sink - knobs.max_tail)
-        per_sparse = total - compressed + compressed / knobs.stride + compressed * (knobs.deltakv_latent_dim or 128) / 2048
+        latent_share = (knobs.deltakv_latent_dim or 128) / 2048
+        per_sparse = total - compressed + compressed / knobs.stride + compressed * latent_share
         return math.ceil((n_full * total + n_sparse * per_sparse) / (n_full + n_sparse))
 
     # ---- capacity and lifecycle --------------------------------------------------------------
@@ -442,7 +443,8 @@ class DeltaKVCacheManager(CacheManager):
         knobs = self.method_config
         stride = knobs.stride
         pending = sum(max(0, r.prompt_end - r.upto) // stride for r in self.requests.values())
-        need = min(len(seq) + 1, knobs.deltakv_sink + knobs.tail_bound + self.config.chunk_prefill_size) + len(seq) // stride
+        raw = min(len(seq) + 1, knobs.deltakv_sink + knobs.tail_bound + self.config.chunk_prefill_size)
+        need = raw + len(seq) // stride
         return (bool(self.free_rows) and self.raw_slots.num_free - pending >= need
                 and self.pages_for(len(seq) + 1) <= self.allocator.num_free)
 
@@ -644,7 +646,8 @@ class DeltaKVCacheManager(CacheManager):
         for job in jobs:
             tokens, refs = job[3] - job[2], sink + -(-(job[3] - sink) // stride)
             most_tokens, most_refs = max(most_tokens, tokens), max(most_refs, refs)
-            if group and ((len(group) + 1) * most_tokens > COMPRESS_CHUNK or (len(group) + 1) * most_refs > COMPRESS_REFS):
+            grown = len(group) + 1
+            if group and (grown * most_tokens > COMPRESS_CHUNK or grown * most_refs > COMPRESS_REFS):
                 self._compress(group, spread)
                 group, most_tokens, most_refs = [], tokens, refs
             group.append(job)
