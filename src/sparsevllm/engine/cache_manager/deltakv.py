@@ -72,6 +72,7 @@ Deviations:
 import logging
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -278,12 +279,22 @@ class _Request:
         self.dropped = False                                    # freed while that was under way
 
 
-class _Event:
-    """A compression planned once and run a share of the sparse layers at a time: the requests
-    (seq, req, start, end), the host plan and its device tensors (see _plan), the layers done."""
+class _Plan(NamedTuple):
+    """One request's part of a compression: its token and reference positions, the latent slots its
+    tokens take, and where its compressed prefix ends once the event finishes."""
+    req: _Request
+    tok_pos: np.ndarray
+    ref_pos: np.ndarray
+    l_slots: np.ndarray
+    end: int
 
-    def __init__(self, jobs: list, plans: list, tensors: dict):
-        self.jobs, self.plans, self.tensors = jobs, plans, tensors
+
+class _Event:
+    """A compression planned once and run a share of the sparse layers at a time: the requests'
+    plans, their device tensors (see _plan), the layers done."""
+
+    def __init__(self, plans: list[_Plan], tensors: dict):
+        self.plans, self.tensors = plans, tensors
         self.steps_done = 0
         self.layers_done = 0
 
@@ -669,7 +680,7 @@ class DeltaKVCacheManager(CacheManager):
         """Compress positions [start, end) of each (seq, req, start, end) in every sparse layer and
         free their raw slots (references keep theirs): now (spread 1), or a share of the layers in
         each of the next `spread` decode steps of its requests, this one included."""
-        event = _Event(jobs, *self._plan(jobs))
+        event = _Event(*self._plan(jobs))
         if spread == 1:
             self._run_layers(event, len(self.codecs))
             self._finish_event(event)
@@ -690,19 +701,19 @@ class DeltaKVCacheManager(CacheManager):
         on unchanged (the same steps with or without overlapped scheduling, which frees a step later);
         its own latents are no longer written (its pages may go to another request)."""
         event, req.event, req.dropped = req.event, None, True
-        live = [b for b, p in enumerate(event.plans) if not p[0].dropped]
+        live = [b for b, p in enumerate(event.plans) if not p.req.dropped]
         if not live:
             self.events.remove(event)
             return
         t = event.tensors
         n = t["t_key"].shape[1]
-        keep = np.concatenate([b * n + np.arange(len(event.plans[b][1])) for b in live])
-        l_slots = np.concatenate([event.plans[b][3] for b in live])
+        keep = np.concatenate([b * n + np.arange(len(event.plans[b].tok_pos)) for b in live])
+        l_slots = np.concatenate([event.plans[b].l_slots for b in live])
         t["keep"], t["l_slots"] = torch.split(to_device(np.concatenate([keep, l_slots]), self.device),
                                               [len(keep), len(l_slots)])
 
     @torch.inference_mode()
-    def _plan(self, jobs: list[tuple[Sequence, _Request, int, int]]) -> tuple[list, dict]:
+    def _plan(self, jobs: list[tuple[Sequence, _Request, int, int]]) -> tuple[list[_Plan], dict]:
         """Host planning from host counters and the device tensors every layer reuses; queued after
         the forward, no synchronisation. The requests are padded to one batch: padding tokens sit at
         position -1 (no earlier reference: nothing chosen, nothing stored), padding references after
@@ -715,9 +726,9 @@ class DeltaKVCacheManager(CacheManager):
             tok_pos = pos[(pos - sink) % stride != 0]
             ref_pos = np.concatenate([np.arange(sink), np.arange(sink, end, stride)])
             table = self.tables.arrays[seq.seq_id]
-            plans.append((req, tok_pos, ref_pos, table[tok_pos // P].astype(np.int64) * P + tok_pos % P))
+            plans.append(_Plan(req, tok_pos, ref_pos, table[tok_pos // P].astype(np.int64) * P + tok_pos % P, end))
         B = len(plans)
-        n, R = max(len(p[1]) for p in plans), max(len(p[2]) for p in plans)
+        n, R = max(len(p.tok_pos) for p in plans), max(len(p.ref_pos) for p in plans)
         # Chunks of tokens bound the transient [B, chunk, F] and [B, chunk, R] tensors (a 128K prompt
         # is compressed at once), and each chunk is compared only with the references before it.
         # The shortlist pays where a pass over every reference serves few tokens (a decode step's
@@ -736,12 +747,12 @@ class DeltaKVCacheManager(CacheManager):
             R = -(-R // REF_BUCKET) * REF_BUCKET
         t_slots, r_slots = np.zeros((B, n), np.int64), np.zeros((B, R), np.int64)
         t_key, r_key = np.full((B, n), -1, np.int64), np.full((B, R), 1 << 40, np.int64)
-        for b, (req, tok_pos, ref_pos, _) in enumerate(plans):
+        for b, (req, tok_pos, ref_pos, _, _) in enumerate(plans):
             t_slots[b], r_slots[b] = req.slots[ref_pos[0]], req.slots[ref_pos[0]]
             t_slots[b, :len(tok_pos)], t_key[b, :len(tok_pos)] = req.slots[tok_pos], tok_pos
             r_slots[b, :len(ref_pos)], r_key[b, :len(ref_pos)] = req.slots[ref_pos], ref_pos
         valid = (t_key >= 0).reshape(-1)
-        l_slots = np.concatenate([p[3] for p in plans])
+        l_slots = np.concatenate([p.l_slots for p in plans])
         host = [t_slots.ravel(), t_key.ravel(), r_slots.ravel(), r_key.ravel(), np.flatnonzero(valid), l_slots]
         parts = torch.split(to_device(np.concatenate(host), self.device), [len(h) for h in host])
         t_slots_d, t_key_d, r_slots_d, r_key_d = (t.view(B, -1) for t in parts[:4])
@@ -750,7 +761,8 @@ class DeltaKVCacheManager(CacheManager):
         chunks = []
         for a in range(0, n, c):
             e = min(a + c, n)
-            nref = max(int(np.searchsorted(p[2], p[1][min(e, len(p[1])) - 1])) for p in plans if a < len(p[1]))
+            nref = max(int(np.searchsorted(p.ref_pos, p.tok_pos[min(e, len(p.tok_pos)) - 1]))
+                       for p in plans if a < len(p.tok_pos))
             nref = min(R, -(-nref // REF_BUCKET) * REF_BUCKET) if short else nref
             chunks.append((a, e, nref, t_slots_d[:, a:e].flatten(), t_rot[:, a:e].flatten()))
         ref_meta = torch.stack([r_slots_d, r_rot, r_key_d]) if short else None   # one gather a layer picks all three
@@ -795,8 +807,7 @@ class DeltaKVCacheManager(CacheManager):
     @torch.inference_mode()
     def _finish_event(self, event: _Event) -> None:
         """Every layer holds the latents: mark the tokens compressed and free their raw slots."""
-        live = [(req, tok_pos, end) for (req, tok_pos, _, _), (_, _, _, end) in zip(event.plans, event.jobs)
-                if not req.dropped]
+        live = [(p.req, p.tok_pos, p.end) for p in event.plans if not p.req.dropped]
         rows = np.concatenate([np.full(len(tok_pos), req.row) for req, tok_pos, _ in live] + [np.zeros(0, np.int64)])
         pos = np.concatenate([tok_pos for _, tok_pos, _ in live] + [np.zeros(0, np.int64)])
         dev = to_device(np.concatenate([rows, pos]).astype(np.int64), self.device)
