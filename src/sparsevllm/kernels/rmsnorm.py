@@ -24,7 +24,7 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, eps,
                      stride_x, stride_r, stride_o, stride_ro,
                      H: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr, PDL: tl.constexpr):
-    if PDL:   # between two PDL GEMMs on decode steps: let the next one start, wait for the one before
+    if PDL:   # see common.pdl: let the next kernel start, wait for the one before (on decode: GEMMs)
         gdc_launch_dependents()
         gdc_wait()
     t = tl.program_id(0).to(tl.int64)

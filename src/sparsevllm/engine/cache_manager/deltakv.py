@@ -289,6 +289,13 @@ class _Plan(NamedTuple):
     end: int
 
 
+def _kept(plans: list[_Plan], n: int, live) -> tuple[np.ndarray, np.ndarray]:
+    """The live requests' real tokens as flat indices into the padded [B, n] batch, and the latent
+    slots they take."""
+    keep = np.concatenate([b * n + np.arange(len(plans[b].tok_pos)) for b in live])
+    return keep, np.concatenate([plans[b].l_slots for b in live])
+
+
 class _Event:
     """A compression planned once and run a share of the sparse layers at a time: the requests'
     plans, their device tensors (see _plan), the layers done."""
@@ -706,9 +713,7 @@ class DeltaKVCacheManager(CacheManager):
             self.events.remove(event)
             return
         t = event.tensors
-        n = t["t_key"].shape[1]
-        keep = np.concatenate([b * n + np.arange(len(event.plans[b].tok_pos)) for b in live])
-        l_slots = np.concatenate([event.plans[b].l_slots for b in live])
+        keep, l_slots = _kept(event.plans, t["t_key"].shape[1], live)
         t["keep"], t["l_slots"] = torch.split(to_device(np.concatenate([keep, l_slots]), self.device),
                                               [len(keep), len(l_slots)])
 
@@ -751,9 +756,7 @@ class DeltaKVCacheManager(CacheManager):
             t_slots[b], r_slots[b] = req.slots[ref_pos[0]], req.slots[ref_pos[0]]
             t_slots[b, :len(tok_pos)], t_key[b, :len(tok_pos)] = req.slots[tok_pos], tok_pos
             r_slots[b, :len(ref_pos)], r_key[b, :len(ref_pos)] = req.slots[ref_pos], ref_pos
-        valid = (t_key >= 0).reshape(-1)
-        l_slots = np.concatenate([p.l_slots for p in plans])
-        host = [t_slots.ravel(), t_key.ravel(), r_slots.ravel(), r_key.ravel(), np.flatnonzero(valid), l_slots]
+        host = [t_slots.ravel(), t_key.ravel(), r_slots.ravel(), r_key.ravel(), *_kept(plans, n, range(B))]
         parts = torch.split(to_device(np.concatenate(host), self.device), [len(h) for h in host])
         t_slots_d, t_key_d, r_slots_d, r_key_d = (t.view(B, -1) for t in parts[:4])
         t_rot, r_rot = t_key_d.clamp(min=0), r_key_d.where(r_key_d < (1 << 40), 0)   # rotation positions
@@ -806,10 +809,11 @@ class DeltaKVCacheManager(CacheManager):
 
     @torch.inference_mode()
     def _finish_event(self, event: _Event) -> None:
-        """Every layer holds the latents: mark the tokens compressed and free their raw slots."""
+        """Every layer holds the latents: mark the tokens compressed and free their raw slots. At
+        least one request is live (_drop ends an event whose requests all left)."""
         live = [(p.req, p.tok_pos, p.end) for p in event.plans if not p.req.dropped]
-        rows = np.concatenate([np.full(len(tok_pos), req.row) for req, tok_pos, _ in live] + [np.zeros(0, np.int64)])
-        pos = np.concatenate([tok_pos for _, tok_pos, _ in live] + [np.zeros(0, np.int64)])
+        rows = np.concatenate([np.full(len(tok_pos), req.row) for req, tok_pos, _ in live])
+        pos = np.concatenate([tok_pos for _, tok_pos, _ in live])
         dev = to_device(np.concatenate([rows, pos]).astype(np.int64), self.device)
         # A device-side -1: `raw_map[...] = -1` copies the scalar from pageable host memory, which
         # waits for the queued forward (~12 ms a 128K x 4 decode step on the H200, under overlap).
