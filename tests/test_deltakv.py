@@ -269,6 +269,7 @@ def recon_case(B=3, C=20, S=8, H=2, D=8, NBR=2, seed=0, dtype=torch.float32):
     up_z = torch.randn(B, S, 2 * H * D, generator=g).to(dtype)
     nbr = torch.randint(0, 4, (B, S, NBR), generator=g, dtype=torch.int32)
     nbr[0, 0, 1] = -1
+    nbr[1, 1] = -1                    # no reference at all: up(z) alone
     # the latent store: the selected tokens' rows scattered among others
     M = B * S + 7
     latent_slots = torch.randperm(M, generator=g)[:B * S].view(B, S)
@@ -315,9 +316,9 @@ def test_gather_x_triton_matches_reference(dtype):
 
 
 @interp
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_reconstruct_triton_matches_reference(dtype):
-    args = recon_case(dtype=dtype)
+@pytest.mark.parametrize("dtype,nbr", [(torch.float32, 2), (torch.float16, 2), (torch.float32, 3)])
+def test_reconstruct_triton_matches_reference(dtype, nbr):
+    args = recon_case(NBR=nbr, dtype=dtype)
     B, C = args[0].shape
     H, D = args[4].shape[1:]
     outs = []
