@@ -8,6 +8,59 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Every Triton kernel launched under the interpreter in this session, by signature: the interpreter
+# runs kernels the GPU compiler rejects (a name bound to tensors of two shapes in an if/else, say),
+# so tests/test_zz_triton_compiles.py compiles each recorded launch for the H200 at the end.
+TRITON_LAUNCHES: dict = {}
+_TRITON_TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.float64: "fp64",
+                 torch.int64: "i64", torch.int32: "i32", torch.int16: "i16", torch.int8: "i8", torch.uint8: "u8",
+                 torch.bool: "i1"}
+
+
+def _launch(kernel, args, kwargs):
+    """(key, launch): the kernel's module and name, its argument types, constexprs and options, as
+    plain values (tests/test_zz_triton_compiles.py compiles them in a fresh process)."""
+    import triton
+    jit = triton.JITFunction(kernel.fn)
+    bound = dict(zip(jit.arg_names, args)) | {k: v for k, v in kwargs.items() if k in jit.arg_names}
+    signature, constexprs = {}, {}
+    for i, (name, param) in enumerate(zip(jit.arg_names, jit.params)):
+        value = bound.get(name, param.default)
+        if i in jit.constexprs or value is None:
+            signature[name] = "constexpr"
+            constexprs[name] = value if isinstance(value, (int, float, str, type(None))) else repr(value)
+        elif isinstance(value, torch.Tensor):
+            signature[name] = "*" + _TRITON_TYPES[value.dtype]
+        elif isinstance(value, bool):
+            signature[name] = "i1"
+        elif isinstance(value, int):
+            signature[name] = "i32" if -2 ** 31 <= value < 2 ** 31 else "i64"
+        else:
+            signature[name] = "fp32"
+    options = {k: kwargs[k] for k in ("num_warps", "num_stages") if k in kwargs}
+    launch = dict(module=kernel.fn.__module__, name=kernel.fn.__qualname__, signature=signature,
+                  constexprs=constexprs, options=options)
+    return repr(sorted(launch.items())), launch
+
+
+def _record_triton_launches():
+    try:
+        from triton.runtime.interpreter import InterpretedFunction
+    except ImportError:
+        return
+    run = InterpretedFunction.run
+
+    def recording_run(self, *args, grid, warmup, **kwargs):
+        key, launch = _launch(self, args, kwargs)
+        TRITON_LAUNCHES.setdefault(key, launch)
+        return run(self, *args, grid=grid, warmup=warmup, **kwargs)
+
+    InterpretedFunction.run = recording_run
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    _record_triton_launches()
+
 ARCHS = {
     "llama": dict(cls="LlamaConfig", extra=dict(tie_word_embeddings=False)),
     "llama_tied": dict(cls="LlamaConfig", extra=dict(tie_word_embeddings=True)),
