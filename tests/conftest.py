@@ -1,3 +1,4 @@
+import functools
 import os
 
 import pytest
@@ -12,17 +13,21 @@ if not torch.cuda.is_available():
 # runs kernels the GPU compiler rejects (a name bound to tensors of two shapes in an if/else, say),
 # so tests/test_zz_triton_compiles.py compiles each recorded launch for the H200 at the end.
 TRITON_LAUNCHES: dict = {}
-_JIT: dict = {}
 _TRITON_TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.float64: "fp64",
                  torch.int64: "i64", torch.int32: "i32", torch.int16: "i16", torch.int8: "i8", torch.uint8: "u8",
                  torch.bool: "i1"}
 
 
+@functools.cache
+def _jit(fn):
+    import triton
+    return triton.JITFunction(fn)   # parsed once a kernel, not once a launch
+
+
 def _launch(kernel, args, kwargs):
     """(key, launch): the kernel's module and name, its argument types, constexprs and options, as
     plain values (tests/test_zz_triton_compiles.py compiles them in a fresh process)."""
-    import triton
-    jit = _JIT.get(kernel.fn) or _JIT.setdefault(kernel.fn, triton.JITFunction(kernel.fn))   # parsed once
+    jit = _jit(kernel.fn)
     bound = dict(zip(jit.arg_names, args)) | {k: v for k, v in kwargs.items() if k in jit.arg_names}
     signature, constexprs = {}, {}
     for i, (name, param) in enumerate(zip(jit.arg_names, jit.params)):

@@ -805,7 +805,7 @@ class DeltaKVCacheManager(CacheManager):
             z = torch.cat(zs, 1).flatten(0, 1)[keep]
             self.latents[i][l_slots] = z.to(self.latents.dtype)
             self.neighbors[i][l_slots] = torch.cat(nbrs, 1).flatten(0, 1)[keep]
-        event.layers_done = max(event.layers_done, upto)
+        event.layers_done = upto
 
     @torch.inference_mode()
     def _finish_event(self, event: _Event) -> None:
