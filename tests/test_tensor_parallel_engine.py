@@ -135,3 +135,66 @@ def test_tp2_equals_tp1_on_two_gpus(tiny_model, case):
     outs, followers, _ = _run(path, dtype="float32", tensor_parallel_size=2, **CASES[case])
     assert _tokens(outs) == _tokens(ref)
     assert followers[0]["idle"]
+
+
+def test_follower_dies_with_rank_0(tmp_path):
+    """Rank 0 killed (a benchmark case on its timeout) while a follower sits in NCCL, which does not
+    notice: the follower must not live on holding its GPU. (On gloo a follower would also notice
+    through its next collective, so the follower here just sleeps.)"""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    script = tmp_path / "rank0.py"
+    script.write_text(
+        "import multiprocessing as mp, time\n"
+        "from sparsevllm.engine.tensor_parallel import _die_with_parent\n"
+        "def follower(ready):\n"
+        "    _die_with_parent()\n"
+        "    ready.set()\n"
+        "    time.sleep(600)\n"
+        "if __name__ == '__main__':\n"
+        "    ctx = mp.get_context('spawn')\n"
+        "    ready = ctx.Event()\n"
+        "    p = ctx.Process(target=follower, args=(ready,), daemon=True)\n"
+        "    p.start()\n"
+        "    assert ready.wait(120)\n"
+        "    print(p.pid, flush=True)\n"
+        "    time.sleep(600)\n")
+    rank0 = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
+                             env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    follower = int(rank0.stdout.readline())
+    rank0.send_signal(signal.SIGKILL)
+    rank0.wait()
+    deadline = time.time() + 20
+    while time.time() < deadline:
+        try:
+            with open(f"/proc/{follower}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] in "ZX":   # dead, not yet reaped by init
+                    return
+        except FileNotFoundError:
+            return
+        time.sleep(0.2)
+    os.kill(follower, signal.SIGKILL)
+    pytest.fail("the follower outlived its rank 0 by 20 s")
+
+
+def test_shutdown_drops_graphs_before_the_teardown(tiny_model, monkeypatch):
+    """NCCL's teardown hangs while graphs that captured its all-reduces live (pytorch#115388; it hung on
+    the H200s): every rank drops its graphs first, also when the process exits without shutdown()."""
+    import atexit
+    from sparsevllm import distributed as tp
+    from sparsevllm.engine.model_runner import ModelRunner
+    calls = []
+    release = ModelRunner.release_graphs
+    monkeypatch.setattr(ModelRunner, "release_graphs", lambda self: (calls.append("graphs"), release(self)))
+    destroy = tp.destroy_tensor_parallel
+    monkeypatch.setattr(tp, "destroy_tensor_parallel", lambda **kw: (calls.append(("teardown", kw)), destroy(**kw)))
+    llm = LLM(tiny_model("llama"), tensor_parallel_size=2, num_kv_pages=32)
+    registered = []
+    monkeypatch.setattr(atexit, "unregister", lambda f: registered.append(f))
+    llm.generate([PROMPTS[0]], GREEDY, use_tqdm=False)
+    llm.shutdown()
+    assert calls == ["graphs", ("teardown", {"abort": False})]
+    assert llm.engine.shutdown in registered   # the exit hook that shutdown() replaces is the engine's

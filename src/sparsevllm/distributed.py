@@ -9,11 +9,14 @@ A selection shared across heads (OmniKV's token set, QuEST `shared` pages) must 
 rank although each rank scores only its own KV heads: ranks combine their scores with one all-reduce
 (max for a max over heads, sum for a sum over heads), so every rank attends the same tokens.
 """
+import logging
+import threading
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
+logger = logging.getLogger(__name__)
 _control: "dist.ProcessGroup | None" = None
 
 
@@ -37,11 +40,29 @@ def init_tensor_parallel(rank: int, world: int, port: int, backend: str) -> None
     _control = dist.new_group(backend="gloo", timeout=timedelta(days=365))
 
 
-def destroy_tensor_parallel() -> None:
+def destroy_tensor_parallel(abort: bool = False, timeout: float = 60.0) -> None:
+    """Leave the groups. Every rank must call this at about the same time: NCCL's communicator
+    teardown waits for its peers, so a rank that first waits for the others to exit never returns.
+    abort: a peer is gone (it failed), so NCCL's communicators are aborted instead of torn down with
+    it. The teardown runs under a deadline: one that cannot finish must not hang the user's process."""
     global _control
-    if _control is not None:
-        _control = None
-        dist.destroy_process_group()
+    if _control is None:
+        return
+    _control = None
+    nccl = dist.get_backend() == "nccl"
+
+    def teardown():
+        if abort and nccl:
+            dist.distributed_c10d._abort_process_group()
+        else:
+            dist.destroy_process_group()
+
+    t = threading.Thread(target=teardown, name="sparsevllm-tp-teardown", daemon=True)
+    t.start()
+    t.join(timeout)
+    if t.is_alive():
+        logger.error("tensor-parallel teardown did not finish in %.0f s (a peer never joined it); "
+                     "continuing without it", timeout)
 
 
 def broadcast_command(obj=None):

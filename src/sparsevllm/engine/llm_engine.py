@@ -1,4 +1,5 @@
 """add_request / step / generate: the loop that turns prompts into finished requests."""
+import atexit
 import json
 import logging
 import os
@@ -50,6 +51,8 @@ class LLMEngine:
         self.tokenizer = self._load_tokenizer(model_path)
         eos_token_ids = self._eos_ids(model_path)
         self.workers = self._start_workers(config, model_cfg, method_cls) if config.tensor_parallel_size > 1 else None
+        if self.workers is not None:
+            atexit.register(self.shutdown)   # at exit too, graphs first (Workers' own hook would skip them)
         try:
             self.model_runner = ModelRunner(config, model_path, model_cfg, method_cls)
         except BaseException as e:
@@ -99,6 +102,9 @@ class LLMEngine:
     def shutdown(self) -> None:
         """Stop the tensor-parallel ranks (nothing to do with one rank)."""
         if self.workers is not None:
+            atexit.unregister(self.shutdown)
+            if getattr(self, "model_runner", None) is not None:
+                self.model_runner.release_graphs()
             self.workers.shutdown()
 
     @property

@@ -1,5 +1,6 @@
 """Device, model, KV pool sizing, the forward of one step and sampling. No method branches here:
 methods act only through the cache manager's hooks."""
+import gc
 import logging
 
 import torch
@@ -99,6 +100,15 @@ class ModelRunner:
             + 3 * m.intermediate_size
         elem = torch.empty((), dtype=self.dtype).element_size()
         return 2 * (t * width * elem + cfg.max_num_seqs * m.vocab_size * 4)
+
+    def release_graphs(self) -> None:
+        """Drop the decode graphs (the runner then decodes eagerly). Called before a tensor-parallel
+        teardown: NCCL's teardown hangs while graphs that captured its all-reduces are alive
+        (pytorch/pytorch#115388; it hung on the H200s until this ran first)."""
+        if self.graphs is not None:
+            self.graphs = None
+            self.execution_mode = "eager"
+            gc.collect()   # no device sync: after a failed rank a captured all-reduce may never finish
 
     @torch.inference_mode()
     def forward(self, step: StepState, prev_tokens: torch.Tensor | None = None) -> torch.Tensor | None:

@@ -18,6 +18,7 @@ import atexit
 import logging
 import os
 import queue
+import signal
 import socket
 import traceback
 
@@ -83,17 +84,21 @@ class Workers:
             return
         self.closed = True
         atexit.unregister(self.shutdown)
+        told = False
         if all(p.is_alive() for p in self.procs):
             try:
                 self.send(("exit",))
+                told = True
             except Exception:   # the group is broken (a rank failed): the processes are stopped below
                 pass
+        # Tear the groups down together with the followers, before waiting for them to exit: they are
+        # inside the same teardown, which under NCCL waits for every rank (waiting first hung on the H200s).
+        tp.destroy_tensor_parallel(abort=not told)
         for p in self.procs:
-            p.join(timeout=10)
+            p.join(timeout=30)
             if p.is_alive():
                 p.terminate()
                 p.join(timeout=5)
-        tp.destroy_tensor_parallel()
 
 
 def _snapshot(seq: Sequence, sent: dict[int, int]) -> tuple:
@@ -212,9 +217,21 @@ class Follower:
                 raise RuntimeError(f"unknown tensor-parallel command {kind!r}")
 
 
+def _die_with_parent() -> None:
+    """Linux: the kernel kills this follower when the thread of rank 0 that started it ends (its process
+    killed, say: a benchmark case killed on its timeout left a follower holding its GPU's memory, and
+    the next case found none). So build a tensor-parallel LLM in a thread that outlives it."""
+    try:
+        import ctypes
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)   # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass   # not Linux: a follower blocked on a dead rank 0 ends at its collective's timeout
+
+
 def follower_main(rank: int, world: int, port: int, config: EngineConfig, model_path: str, device_type: str,
                   errors) -> None:
     try:
+        _die_with_parent()
         from sparsevllm.engine.model_runner import ModelRunner
         from sparsevllm.method_registry import get_method
         from sparsevllm.models.config import ModelConfig, read_config_json
@@ -224,6 +241,7 @@ def follower_main(rank: int, world: int, port: int, config: EngineConfig, model_
         model_cfg = ModelConfig.from_dict(read_config_json(model_path))
         runner = ModelRunner(config, model_path, model_cfg, get_method(config.vllm_sparse_method))
         Follower(runner).loop()
+        runner.release_graphs()
     except BaseException:
         errors.put((rank, traceback.format_exc()))
         errors.close()
