@@ -40,7 +40,10 @@ def init_tensor_parallel(rank: int, world: int, port: int, backend: str) -> None
     _control = dist.new_group(backend="gloo", timeout=timedelta(days=365))
 
 
-def destroy_tensor_parallel(abort: bool = False, timeout: float = 60.0) -> None:
+TEARDOWN_TIMEOUT_S = 60.0
+
+
+def destroy_tensor_parallel(abort: bool = False) -> None:
     """Leave the groups. Every rank must call this at about the same time: NCCL's communicator
     teardown waits for its peers, so a rank that first waits for the others to exit never returns.
     abort: a peer is gone (it failed), so NCCL's communicators are aborted instead of torn down with
@@ -59,10 +62,10 @@ def destroy_tensor_parallel(abort: bool = False, timeout: float = 60.0) -> None:
 
     t = threading.Thread(target=teardown, name="sparsevllm-tp-teardown", daemon=True)
     t.start()
-    t.join(timeout)
+    t.join(TEARDOWN_TIMEOUT_S)
     if t.is_alive():
         logger.error("tensor-parallel teardown did not finish in %.0f s (a peer never joined it); "
-                     "continuing without it", timeout)
+                     "continuing without it", TEARDOWN_TIMEOUT_S)
 
 
 def broadcast_command(obj=None):

@@ -52,7 +52,7 @@ class LLMEngine:
         eos_token_ids = self._eos_ids(model_path)
         self.workers = self._start_workers(config, model_cfg, method_cls) if config.tensor_parallel_size > 1 else None
         if self.workers is not None:
-            atexit.register(self.shutdown)   # at exit too, graphs first (Workers' own hook would skip them)
+            atexit.register(self.shutdown)   # the one exit hook: graphs dropped before the ranks' teardown
         try:
             self.model_runner = ModelRunner(config, model_path, model_cfg, method_cls)
         except BaseException as e:

@@ -14,7 +14,6 @@ broadcasts the step's input ids (one small collective) and followers read them f
 A follower that fails reports its traceback through a queue and exits; its peers' next collective
 fails, and rank 0 raises the follower's error instead of hanging (`Workers.failure`).
 """
-import atexit
 import logging
 import os
 import queue
@@ -60,7 +59,6 @@ class Workers:
         if device_type == "cuda":
             torch.cuda.set_device(0)
         tp.init_tensor_parallel(0, world, port, backend_for(device_type))
-        atexit.register(self.shutdown)
 
     def send(self, command: tuple) -> None:
         tp.broadcast_command(command)
@@ -83,7 +81,6 @@ class Workers:
         if self.closed:
             return
         self.closed = True
-        atexit.unregister(self.shutdown)
         told = False
         if all(p.is_alive() for p in self.procs):
             try:
