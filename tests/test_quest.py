@@ -329,6 +329,32 @@ def test_select_pages_triton_matches_reference(B, G, N, P, n):
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
+@interp
+@pytest.mark.parametrize("kind", ["distinct", "ties_at_threshold", "few_values", "negative", "tiny_gaps"])
+def test_select_pages_triton_stops_early_only_when_exact(kind):
+    """The threshold search stops once exactly k keys reach it; every kind of score row gives the
+    top k by (score, then page order), whether it stops early (distinct scores) or runs all 32
+    passes (a tie across the k-th place)."""
+    g = torch.Generator().manual_seed(len(kind))
+    B, G, N, P, n = 3, 4, 200, 4, 17
+    scores, bt, ctx = select_case(g, B, G, N, P, "cpu")
+    ctx[:] = N * P - 1 - torch.arange(B, dtype=torch.int32) * 7     # sparse rows
+    current = (ctx.long() - 1) // P
+    base = {"distinct": torch.randn(B, G, N, generator=g),
+            "ties_at_threshold": torch.randint(0, 4, (B, G, N), generator=g).float(),
+            "few_values": torch.randint(0, 2, (B, G, N), generator=g).float() * 2.5,
+            "negative": -torch.rand(B, G, N, generator=g) - 1e-3,
+            "tiny_gaps": 1.0 + torch.randint(0, 64, (B, G, N), generator=g).float() * 2 ** -23}[kind]
+    scores = base.masked_fill(torch.arange(N).view(1, 1, N) >= current.view(B, 1, 1), float("-inf"))
+    table, lengths = qk.select_pages_triton(scores, bt, ctx, P, n)
+    for b in range(B):
+        for h in range(G):
+            cands = sorted(range(int(current[b])), key=lambda i: (-float(scores[b, h, i]), i))[:n - 1]
+            want = [int(bt[b, i]) for i in sorted(cands)] + [int(bt[b, current[b]])]
+            assert table[b, h].tolist() == want, (kind, b, h)
+            assert int(lengths[b, h]) == int(ctx[b]) - (int(current[b]) - (n - 1)) * P
+
+
 # ---------------------------------------------------------------- GPU
 
 @gpu

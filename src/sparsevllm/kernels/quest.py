@@ -20,9 +20,9 @@ length, not the static table width that CUDA graphs use.
 
 select_pages: per row (request, page set), the n - 1 highest-scoring candidate pages in logical
 order, then the current page. The Triton version is one program per row: it finds the (n - 1)-th
-largest score over the scores' order-preserving int32 keys, fixing one bit per round (32 rounds,
-the row held in registers), then writes the pages above it (and the first ties, in
-page order) through a prefix sum, already in logical order. It replaces a top-k, a sort and
+largest score over the scores' order-preserving int32 keys, fixing one bit per round (at most 32
+rounds, the row held in registers; it stops once exactly n - 1 keys reach the prefix), then writes
+the pages above it (and the first ties, in page order) through a prefix sum, already in logical order. It replaces a top-k, a sort and
 several gathers and concatenations, a dozen launches per layer, with one.
 """
 import torch
@@ -260,12 +260,21 @@ def _select_pages_kernel(score_ptr, table_ptr, len_ptr, out_ptr, out_len_ptr,
     bits = x.to(tl.int32, bitcast=True)
     key = bits ^ ((bits >> 31) & 0x7FFFFFFF)
     # The k-th largest key t, built bit by bit from the sign down: keep a bit when at least k
-    # keys are >= the prefix with that bit set (adding a clear bit never overflows).
+    # keys are >= the prefix with that bit set (adding a clear bit never overflows). Stop as soon
+    # as exactly k keys are >= t: they are the top k (the bits left would only close in on the
+    # k-th key). Distinct scores get there once the k-th and (k+1)-th keys part, ~20 of 32 passes
+    # on Gaussian scores over 8K pages; each pass is a block-wide sum, the kernel's cost.
     k = NUM_PAGES - 1
-    t = tl.where(tl.sum((key >= 0).to(tl.int32), 0) >= k, 0, -2147483648)
-    for i in range(31):
+    n_pos = tl.sum((key >= 0).to(tl.int32), 0)
+    t = tl.where(n_pos >= k, 0, -2147483648)
+    n_t = tl.where(n_pos >= k, n_pos, BLOCK_N)   # keys >= t (padding keys are -inf's, > INT_MIN)
+    i = 0
+    while (i < 31) & (n_t != k):
         cand = t + (1 << (30 - i))
-        t = tl.where(tl.sum((key >= cand).to(tl.int32), 0) >= k, cand, t)
+        n_cand = tl.sum((key >= cand).to(tl.int32), 0)
+        t = tl.where(n_cand >= k, cand, t)
+        n_t = tl.where(n_cand >= k, n_cand, n_t)
+        i += 1
     above = key > t
     tie = (key == t) & in_row
     # Ties at the threshold fill the remaining slots in page order.
