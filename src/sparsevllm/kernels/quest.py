@@ -22,8 +22,9 @@ select_pages: per row (request, page set), the n - 1 highest-scoring candidate p
 order, then the current page. The Triton version is one program per row: it finds the (n - 1)-th
 largest score over the scores' order-preserving int32 keys, fixing one bit per round (at most 32
 rounds, the row held in registers; it stops once exactly n - 1 keys reach the prefix), then writes
-the pages above it (and the first ties, in page order) through a prefix sum, already in logical order. It replaces a top-k, a sort and
-several gathers and concatenations, a dozen launches per layer, with one.
+the pages above it (and the first ties, in page order) through a prefix sum, already in logical
+order. It replaces a top-k, a sort and several gathers and concatenations, a dozen launches per
+layer, with one.
 """
 import torch
 
