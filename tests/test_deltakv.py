@@ -331,6 +331,29 @@ def test_reconstruct_triton_matches_reference(dtype, nbr):
 
 
 @interp
+@pytest.mark.parametrize("dtype,bias,shape", [(torch.float32, True, (3, 70)), (torch.float16, True, (130,)),
+                                              (torch.float32, False, (2, 5))])
+def test_gather_linear_triton_matches_reference(dtype, bias, shape):
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(300, 24, generator=g).to(dtype)
+    rows = torch.randint(0, 300, shape, generator=g, dtype=torch.int32)
+    w = (torch.randn(200, 24, generator=g) / 5).to(dtype)
+    b = torch.randn(200, generator=g).to(dtype) if bias else None
+    got = kd.gather_linear_triton(x, rows, w, b)
+    assert got.shape == (*shape, 200)
+    torch.testing.assert_close(got.float(), kd.gather_linear_ref(x, rows, w, b).float(), atol=2e-3, rtol=2e-3)
+
+
+@pytest.mark.parametrize("kind", ["linear", "mlp_gelu"])
+def test_up_of_gathered_latents_equals_up_of_the_gather(kind):
+    torch.manual_seed(0)
+    codec = dc.LayerCodec(40, 12, kind)
+    latents = torch.randn(90, 12)
+    slots = torch.randint(0, 90, (3, 17))
+    torch.testing.assert_close(kd.up_of(codec.up, latents, slots), codec.up(latents[slots]))
+
+
+@interp
 def test_engine_with_the_triton_kernels_equals_the_references(tiny_model, tmp_path, monkeypatch):
     """The decode and prefill paths with every DeltaKV Triton kernel (interpreted on the CPU) give
     the tokens the torch references give: the GPU wiring, short of graphs."""
@@ -346,6 +369,7 @@ def test_engine_with_the_triton_kernels_equals_the_references(tiny_model, tmp_pa
     monkeypatch.setattr(deltakv, "reconstruct", kd.reconstruct_triton)
     monkeypatch.setattr(deltakv, "gather_x", kd.gather_x_triton)
     monkeypatch.setattr(deltakv, "select_tokens", omnikv.select_tokens_triton)
+    monkeypatch.setattr(kd, "gather_linear", kd.gather_linear_triton)
     assert run(LLM(path, **knobs), ps, sp) == want
 
 
@@ -770,6 +794,12 @@ def test_gpu_deltakv_kernels_match_references_bf16():
         outs.append((o_k.float(), o_v.float()))
     torch.testing.assert_close(outs[0][0], outs[1][0], atol=3e-2, rtol=2e-2)
     torch.testing.assert_close(outs[0][1], outs[1][1], atol=3e-2, rtol=2e-2)
+    x = torch.randn(5000, 128, device="cuda", dtype=torch.bfloat16)
+    rows = torch.randint(0, 5000, (4, 2048), device="cuda", dtype=torch.int32)
+    w = torch.randn(2048, 128, device="cuda", dtype=torch.bfloat16) / 11
+    b = torch.randn(2048, device="cuda", dtype=torch.bfloat16)
+    torch.testing.assert_close(kd.gather_linear_triton(x, rows, w, b).float(), kd.gather_linear_ref(x, rows, w, b).float(),
+                               atol=3e-2, rtol=2e-2)
     k, v, slots, cos_sin = [t.cuda() for t in pool_case(500, 8, 128, dtype=torch.bfloat16)]
     pos = torch.arange(500, device="cuda")
     torch.testing.assert_close(kd.gather_x_triton(k, v, slots, pos, cos_sin), kd.gather_x_ref(k, v, slots, pos, cos_sin),

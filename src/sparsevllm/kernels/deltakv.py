@@ -17,12 +17,13 @@ compressor works on x = [K before RoPE ; V]. So:
 - reconstruct(...): for every entry of a sparse layer's decode view, copies a raw token (sink,
   references, recent tokens) or rebuilds a compressed one as up(z) + mean of its references (each
   rotated back from the raw pool), then RoPE at its true position, into the scratch slots. up(z)
-  itself is one GEMM before the kernel (cuBLAS, inside the graph); the kernel does the gathers, the
+  itself is one GEMM before the kernel (up_of: a Triton GEMM that gathers the selected latents in
+  its loads, then the rest of an mlp_gelu up in torch); the kernel does the reference gathers, the
   mean, the rotation and the writes, one program per view entry.
 """
 import torch
 
-from sparsevllm.kernels.common import jit, pow2, tl, use_triton
+from sparsevllm.kernels.common import dot_precision, jit, pow2, tl, upcast_loads, use_triton
 
 
 def _cos_sin(cos_sin_cache: torch.Tensor, positions: torch.Tensor):
@@ -159,6 +160,70 @@ def compress_block(x: torch.Tensor, refs: torch.Tensor, ref_pos: torch.Tensor, p
 
 def _param_dtype(module) -> torch.dtype:
     return next(module.parameters()).dtype
+
+
+# ---------------------------------------------------------------- up(z) of gathered latents
+
+def gather_linear_ref(x: torch.Tensor, rows: torch.Tensor, weight: torch.Tensor,
+                      bias: torch.Tensor | None) -> torch.Tensor:
+    """F.linear(x[rows], weight, bias): x [n, K], rows int [...], weight [N, K] -> [..., N]."""
+    return torch.nn.functional.linear(x[rows.long()], weight, bias)
+
+
+@jit
+def _gather_linear_kernel(x_ptr, row_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_x, stride_w, stride_o,
+                          HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr,
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows = tl.load(row_ptr + m, mask=m < M, other=0).to(tl.int64)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        a = tl.load(x_ptr + rows[:, None] * stride_x + k[None, :], mask=(m[:, None] < M) & (k[None, :] < K),
+                    other=0.0)
+        w = tl.load(w_ptr + n[None, :].to(tl.int64) * stride_w + k[:, None], mask=(n[None, :] < N) & (k[:, None] < K),
+                    other=0.0)
+        if UPCAST:   # the interpreter's half math is wrong; fp32 stays fp32 (no tf32)
+            a, w = a.to(tl.float32), w.to(tl.float32)
+        acc = tl.dot(a, w, acc, input_precision=DOT_PREC)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + n, mask=n < N, other=0.0).to(tl.float32)[None, :]
+    dst = out_ptr + m[:, None].to(tl.int64) * stride_o + n[None, :]
+    tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=(m[:, None] < M) & (n[None, :] < N))
+
+
+GATHER_LINEAR_BLOCKS = (128, 128, 64, 4)   # BLOCK_M, BLOCK_N, BLOCK_K, warps
+
+
+def gather_linear_triton(x, rows, weight, bias):
+    """Same contract as gather_linear_ref; the gather happens in the GEMM's A loads (no gathered
+    copy of x written and read back). up(z) is narrow in K (the latent dim) and wide in N, so its
+    cost is writing the output: one pass, tiles of BLOCK_M x BLOCK_N."""
+    K, N = x.shape[1], weight.shape[0]
+    assert x.stride(-1) == 1 and weight.stride(-1) == 1 and weight.shape[1] == K
+    flat = rows.reshape(-1).contiguous()
+    out = torch.empty(flat.numel(), N, dtype=x.dtype, device=x.device)
+    BM, BN, BK, warps = GATHER_LINEAR_BLOCKS
+    if flat.numel():
+        _gather_linear_kernel[(-(-N // BN), -(-flat.numel() // BM))](
+            x, flat, weight, bias if bias is not None else weight, out, flat.numel(), N, K, x.stride(0),
+            weight.stride(0), out.stride(0), HAS_BIAS=bias is not None,
+            UPCAST=upcast_loads(x.dtype), DOT_PREC=dot_precision(x.dtype), BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, num_warps=warps)
+    return out.view(*rows.shape, N)
+
+
+def gather_linear(x, rows, weight, bias):
+    impl = gather_linear_triton if use_triton(x) else gather_linear_ref
+    return impl(x, rows, weight, bias)
+
+
+def up_of(up: torch.nn.Module, latents: torch.Tensor, latent_slots: torch.Tensor) -> torch.Tensor:
+    """up(latents[latent_slots]) with the gather inside the first linear's kernel: `up` is a Linear
+    or a Sequential starting with one (the compressor's `linear` and `mlp_gelu`)."""
+    first = up[0] if isinstance(up, torch.nn.Sequential) else up
+    y = gather_linear(latents, latent_slots, first.weight, first.bias)
+    return up[1:](y) if isinstance(up, torch.nn.Sequential) else y
 
 
 # ---------------------------------------------------------------- reconstruct

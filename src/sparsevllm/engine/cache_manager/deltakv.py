@@ -85,7 +85,7 @@ from sparsevllm.engine.sequence import Sequence
 from sparsevllm.engine.staging import HostStaging, to_device
 from sparsevllm.engine.step import DecodeView, PrefillView, StepState
 from sparsevllm.forward_context import get_forward_context
-from sparsevllm.kernels.deltakv import compress_block, gather_x, reconstruct, shortlist
+from sparsevllm.kernels.deltakv import compress_block, gather_x, reconstruct, shortlist, up_of
 from sparsevllm.kernels.omnikv import select_tokens
 from sparsevllm.kernels.rope_store import rope_store
 from sparsevllm.models.config import ModelConfig
@@ -578,7 +578,7 @@ class DeltaKVCacheManager(CacheManager):
                 m = min(PREFIX_PIECE, length - a)
                 pos = self.positions[0, a:a + m].long()
                 latent_slots = step.block_tables[b].long()[pos // P] * P + pos % P
-                up_z = codec.up(self.latents[i][latent_slots]).view(1, m, -1)
+                up_z = up_of(codec.up, self.latents[i], latent_slots).view(1, m, -1)
                 reconstruct(pos.view(1, m).to(torch.int32), torch.full((1,), m, dtype=torch.int32, device=self.device),
                             rows[b:b + 1], self.raw_map, k_cache, v_cache, up_z.contiguous(), self.neighbors[i],
                             latent_slots.view(1, m), 0, self.cos_sin, out_k[off + a:off + a + m],
@@ -605,7 +605,7 @@ class DeltaKVCacheManager(CacheManager):
         view_pos, lengths, latent_slots = chosen
         i = self.index[layer_id]
         B = view_pos.shape[0]
-        up_z = self.codecs[i].up(self.latents[i][latent_slots])                     # [B, keep, 2 H D]
+        up_z = up_of(self.codecs[i].up, self.latents[i], latent_slots)              # [B, keep, 2 H D]
         k_cache, v_cache = self.raw.layer(i)
         # the kernel reads each token's references through its latent slot (no gather launch)
         reconstruct(view_pos, lengths, step.extras["deltakv_rows"], self.raw_map, k_cache, v_cache, up_z.contiguous(),
