@@ -264,6 +264,8 @@ def test_kernel_benchmark_smoke_run_covers_decode_rope_store_and_the_skinny_gemm
     assert [(r["N"], r["K"], r["rows"]) for r in gemm] == [(64, 96, 1), (64, 96, 3)]
     assert all(r["f_linear_us"] > 0 and r["triton_us"] > 0 and {"f_linear_gbps", "triton_gbps"} <= set(r)
                for r in gemm)
+    (up,) = report["deltakv_up"]
+    assert up["gather_f_linear_us"] > 0 and up["triton_us"] > 0
     assert report["prefill"]
 
 
@@ -278,3 +280,17 @@ def test_decode_profile_files_every_kernel_of_a_step_under_its_kind():
                      "_decode_split_kernel": "decode attention", "_rms_norm_kernel": "rmsnorm",
                      "_reconstruct_kernel": "method: rebuild", "_radix_hist_kernel": "method: select",
                      "_select_pages_kernel": "method: select", "void at::native::reduce_kernel": "other"}
+
+
+def test_warmup_decodes_past_a_deltakv_decode_time_compression():
+    """The warm-up must run every periodic decode-time path once (their first run in a process pays
+    one-time set-up: 138 ms of one step on the H200 for DeltaKV's first compression), so the decode
+    window measures steady state: with DeltaKV's defaults, a warm-up prompt's compression starts and
+    finishes (all its shares) within the warm-up's decode tokens."""
+    from sparsevllm.method_registry import make_config
+    knobs = make_config(None, "deltakv", load_format="dummy").method_config
+    prompt = len(bench_case._warmup_prompts({"vocab_size": 1000}, {"batch": 3, "length": 10**6, "seed": 0})[0])
+    spread = knobs.spread(27)
+    assert spread > 1
+    start = knobs.compressed_until(prompt, prompt)
+    assert knobs.compressed_until(prompt, prompt + bench_case.WARMUP_DECODE_TOKENS, spread) > start
