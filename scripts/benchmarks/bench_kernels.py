@@ -9,6 +9,7 @@ cases are launch-bound there) and replayed from a CUDA graph (do_bench_cudagraph
 decode). The fused ops (RMSNorm, RoPE + KV-cache write, SiLU-mul) are timed against their torch
 references; the decode-step GEMM (skinny_gemm, at most 16 rows) against F.linear (cuBLAS) on the
 Llama-3.1-8B weight shapes, graph-timed with the weight cold in L2 and reported as GB/s of weight read.
+DeltaKV's up(z) of the selected latents: gather + F.linear against the gathering Triton GEMM.
 --sweep first tries launch settings of the decode and prefill kernels and uses the best;
 --sweep-splits times several split-count heuristics.
 `--smoke` runs tiny shapes on whatever device there is (under TRITON_INTERPRET on CPU) to check the
@@ -30,6 +31,7 @@ import triton  # noqa: E402
 
 from sparsevllm.kernels import decode_attention as da  # noqa: E402
 from sparsevllm.kernels import prefill_attention as pa, rmsnorm, rope_store as rs, silu_mul  # noqa: E402
+from sparsevllm.kernels import deltakv as kd  # noqa: E402
 from sparsevllm.kernels import skinny_gemm as sk  # noqa: E402
 
 HQ, HKV, D = 32, 8, 128
@@ -247,6 +249,23 @@ def bench_skinny(results, gen, shapes, row_counts, dtype, cold_bytes):
             torch.cuda.empty_cache()
 
 
+def bench_deltakv_up(results, gen, cases, dtype):
+    """DeltaKV's up(z) of a decode step's selected latents (a linear up): the gather then F.linear
+    (cuBLAS) against the Triton GEMM that gathers in its loads, graph-timed, per (requests, kept
+    tokens, latent dim, 2 * H * D, latent rows in the store)."""
+    for B, S, lat, N, pool in cases:
+        latents = torch.randn(pool, lat, device=DEV, dtype=dtype, generator=gen)
+        slots = torch.randint(0, pool, (B, S), device=DEV, dtype=torch.int32, generator=gen)
+        w = torch.randn(N, lat, device=DEV, dtype=dtype, generator=gen) / lat ** 0.5
+        b = torch.randn(N, device=DEV, dtype=dtype, generator=gen)
+        row = {"requests": B, "kept": S, "latent_dim": lat, "out": N}
+        for label, fn in (("gather_f_linear", kd.gather_linear_ref), ("triton", kd.gather_linear_triton)):
+            row[f"{label}_us"] = round(bench_graph_ms(lambda: fn(latents, slots, w, b)) * 1e3, 2)
+        row["speedup"] = round(row["gather_f_linear_us"] / row["triton_us"], 3)
+        results.append(row)
+        print("deltakv_up", row, flush=True)
+
+
 def gather_sdpa(q, k_cache, v_cache, block_tables, context_len, page_size, scale):
     """The naive paged-prefix path: gather the context's K/V, then masked SDPA."""
     n = q.shape[0]
@@ -400,6 +419,10 @@ def run(args, report, gen, save):
     save()
     report["skinny_gemm"] = []
     bench_skinny(report["skinny_gemm"], gen, linears, rows, gemm_dtype, cold_bytes)
+    save()
+    report["deltakv_up"] = []   # Llama-3.1-8B at 128K x 4: 2,048 kept a request, latent 128, 8 x 128 heads
+    bench_deltakv_up(report["deltakv_up"], gen, [(2, 20, 8, 48, 100)] if args.smoke else
+                     [(1, 2048, 128, 2048, 128000), (4, 2048, 128, 2048, 4 * 128000)], gemm_dtype)
     save()
     report["prefill_sweep"] = []
     if args.sweep and not args.smoke:
