@@ -221,9 +221,9 @@ def gather_linear(x, rows, weight, bias):
 def up_of(up: torch.nn.Module, latents: torch.Tensor, latent_slots: torch.Tensor) -> torch.Tensor:
     """up(latents[latent_slots]) with the gather inside the first linear's kernel: `up` is a Linear
     or a Sequential starting with one (the compressor's `linear` and `mlp_gelu`)."""
-    first = up[0] if isinstance(up, torch.nn.Sequential) else up
-    y = gather_linear(latents, latent_slots, first.weight, first.bias)
-    return up[1:](y) if isinstance(up, torch.nn.Sequential) else y
+    if isinstance(up, torch.nn.Sequential):
+        return up[1:](gather_linear(latents, latent_slots, up[0].weight, up[0].bias))
+    return gather_linear(latents, latent_slots, up.weight, up.bias)
 
 
 # ---------------------------------------------------------------- reconstruct
