@@ -235,7 +235,11 @@ def test_silu_and_mul_triton_matches_reference(dtype, poison):
 @interp
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("rows,with_bias", [(1, False), (5, True), (16, False)])
-def test_skinny_linear_triton_matches_reference(dtype, rows, with_bias, poison):
+@pytest.mark.parametrize("sms", [132, 2, 1])
+def test_skinny_linear_triton_matches_reference(dtype, rows, with_bias, sms, poison, monkeypatch):
+    # SM counts that give each launch shape of launch_config: 2 columns a program in 32-column
+    # tiles, 50 in 64-column tiles (evenly spread), 64-column tiles in several waves.
+    monkeypatch.setattr(skinny_gemm, "num_sms", lambda device: sms)
     g = torch.Generator().manual_seed(rows)
     # N spans a partial column block, K a partial K block; x arrives as a 3-d view like a model's.
     x = torch.randn(1, rows, 700, generator=g).to(dtype)
@@ -249,7 +253,10 @@ def test_skinny_linear_triton_matches_reference(dtype, rows, with_bias, poison):
 @interp
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("rows", [1, 7, 16])
-def test_skinny_silu_mul_triton_matches_reference(dtype, rows, poison):
+@pytest.mark.parametrize("sms", [132, 3, 1])
+def test_skinny_silu_mul_triton_matches_reference(dtype, rows, sms, poison, monkeypatch):
+    # 2 or 30 columns of gate and of up a program in 32-column tiles, 90 in 128-column tiles
+    monkeypatch.setattr(skinny_gemm, "num_sms", lambda device: sms)
     g = torch.Generator().manual_seed(20 + rows)
     # I = 90 spans a partial column block (gate rows 0..89, up rows 90..179), K a partial K block.
     x = torch.randn(1, rows, 700, generator=g).to(dtype)

@@ -50,6 +50,18 @@ def _pdl_device() -> bool:
             and torch.cuda.get_device_capability()[0] >= 9)
 
 
+def sm_count(device: torch.device) -> int | None:
+    """The device's SM count (cached); None off CUDA, where each caller picks its own stand-in."""
+    if device.type != "cuda":
+        return None
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
 def upcast_loads(dtype: torch.dtype) -> bool:
     """Whether kernels cast half-precision loads to fp32 before tl.dot.
 

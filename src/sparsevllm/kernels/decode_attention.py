@@ -15,11 +15,10 @@ shapes (B, H_kv, N, P), never on the lengths, so a CUDA graph captured per batch
 correctly for any lengths: each row divides its own length over the splits in-kernel, and splits
 left empty write lse = -inf which the merge ignores.
 """
-import functools
 
 import torch
 
-from sparsevllm.kernels.common import dot_precision, jit, pow2, tl, upcast_loads, use_triton
+from sparsevllm.kernels.common import dot_precision, jit, pow2, sm_count, tl, upcast_loads, use_triton
 
 # Launch settings: the best of a sweep on the H200 (scripts/benchmarks/bench_kernels.py --sweep).
 BLOCK_N = 64        # tokens per inner step
@@ -199,19 +198,13 @@ def _decode_merge_kernel(mid_o_ptr, mid_lse_ptr, out_ptr,
              out.to(out_ptr.dtype.element_ty), mask=dims < HEAD_DIM)
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def num_splits(batch: int, num_kv_heads: int, table_width: int, page_size: int,
                device: torch.device) -> int:
     """Splits per row: about PROGRAMS_PER_SM programs per SM, no split under MIN_SPLIT_TOKENS.
 
     A function of static shapes only, so a captured graph's split count is right for any lengths.
     """
-    sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device()) \
-        if device.type == "cuda" else 4
+    sms = sm_count(device) or 4
     want = PROGRAMS_PER_SM * sms // max(1, batch * num_kv_heads)
     cap = max(1, table_width * page_size // MIN_SPLIT_TOKENS)
     return int(max(1, min(want, cap, 128)))

@@ -3,14 +3,18 @@
 A decode step multiplies every weight matrix by a handful of rows (the batch), so each linear layer
 is a pass over its weight: the time is the weight's bytes over the memory bandwidth. cuBLAS picks
 split-K kernels for some of these shapes (o_proj, down_proj) that run at 64-90% of the copy rate
-and add a reduce kernel. Here one program owns BLOCK_N output columns and walks the whole K of
-their weight rows (no split, no reduce), the rows of x padded to 16 for the tensor cores.
+and add a reduce kernel. Here one program owns a run of output columns and walks the whole K of
+their weight rows (no split, no reduce), the rows of x padded to 16 for the tensor cores. An SM
+streams at most ~34 GB/s, so a weight needs every SM busy for its whole pass: the columns are
+spread evenly over the SMs (launch_config), not cut into fixed tiles that leave SMs idle (qkv's
+96 tiles of 64 on 132 SMs) or a last partial wave (gate_up's 448 tiles).
 
 Measured on the H200 (graph-timed, weights cold in L2 as in scripts/benchmarks/bench_kernels.py,
-Llama-3.1-8B shapes, M = 1 / 4, cuBLAS -> this kernel at each shape's best launch settings; the rule
-in launch_config takes them for qkv, o_proj and down, near ones for gate_up and the LM head): qkv
+Llama-3.1-8B shapes, M = 1 / 4, cuBLAS -> this kernel with fixed tiles, 2026-12-03): qkv
 15.9 -> 14.8 / 15.4 -> 14.9 us, o_proj 12.4 -> 10.8 / 12.5 -> 11.0, gate_up 57.0 -> 56.7 / 61.0 ->
-56.9, down 31.0 -> 29.7 / 31.3 -> 29.9, LM head 246 -> 236 / 248 -> 238.
+56.9, down 31.0 -> 29.7 / 31.3 -> 29.9, LM head 246 -> 236 / 248 -> 238. Spreading the columns
+evenly (2026-12-04, M = 4, 24 cold weights a shape): qkv 15.7 -> 13.7 us, gate_up 61.0 -> 55.1;
+o_proj and down already had 128 programs of 32 columns (no change); the LM head keeps its tiles.
 At 32 rows cuBLAS is as fast or faster, so the kernel takes only steps of at most MAX_ROWS rows,
 and only weights wide enough to give every SM a program (smaller models keep cuBLAS).
 
@@ -27,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from sparsevllm.kernels.common import dot_precision, gdc_launch_dependents, gdc_wait, jit, pdl, prefetch_l2, tl
-from sparsevllm.kernels.common import upcast_loads, use_triton
+from sparsevllm.kernels.common import sm_count, upcast_loads, use_triton
 from sparsevllm.kernels.silu_mul import silu_and_mul, silu_and_mul_ref
 
 MAX_ROWS = 16          # rows of x the kernel takes (one 16-row tensor-core tile)
@@ -40,15 +44,17 @@ def skinny_linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
 
 
 @jit
-def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
+def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, COLS, stride_xm, stride_wn, stride_ym,
                    HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr, PDL: tl.constexpr):
     # SILU_MUL: the weight is [gate; up] with N rows each, y = silu(x @ gate.T) * (x @ up.T) [M, N];
     # a program streams gate rows `cols` and up rows N + `cols` together.
-    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    # a program owns COLS <= BLOCK_N columns: the tile's lanes past COLS are masked (no loads)
+    lane = tl.arange(0, BLOCK_N)
+    cols = tl.program_id(0) * COLS + lane
     rows = tl.arange(0, BLOCK_M)
     ks = tl.arange(0, BLOCK_K)
-    col_ok = cols < N
+    col_ok = (lane < COLS) & (cols < N)
     row_ok = rows < M
     w_rows = w_ptr + cols[:, None].to(tl.int64) * stride_wn   # int64: N * K passes 2^31 for an LM head
     u_rows = w_rows + N.to(tl.int64) * stride_wn
@@ -88,10 +94,29 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, st
     tl.store(y_ptr + rows[:, None] * stride_ym + cols[None, :], acc.to(ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
-def launch_config(n: int) -> tuple[int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps, num_stages): the best of a sweep on the H200 per Llama-3.1-8B
-    shape, folded into one rule (N = 4096: 32 x 512; wider: 64 x 256)."""
-    return (32, 512, 4, 4) if n <= 4096 else (64, 256, 4, 4)
+def num_sms(device: torch.device) -> int:
+    """SMs to spread a weight over: the device's; 132 (an H200's) off CUDA, for the interpreter."""
+    return sm_count(device) or 132
+
+
+def launch_config(n: int, silu_mul: bool, sms: int) -> tuple[int, int, int, int, int]:
+    """(columns a program, BLOCK_N, BLOCK_K, num_warps, num_stages) for n output columns (a [gate;
+    up] weight: n of each), from sweeps on the H200 at Llama-3.1-8B shapes.
+
+    A weight is a single wave: its columns are spread evenly over the SMs, ceil(n / sms) rounded up
+    to an even count a program, in the smallest tile that holds them, so no SM idles while the
+    others stream. qkv (n = 6144) is 48 columns on 128 SMs instead of 64-column tiles on 96 (15.7 ->
+    13.7 us), gate_up 109 + 109 columns on 132 SMs instead of 448 tiles of 32 + 32 (61.0 -> 55.1 us),
+    M = 4, weights cold in L2. Wider weights (the LM head) keep 64-column tiles in many waves."""
+    cols = -(-n // sms)
+    cols += cols % 2      # qkv: 47 -> 48 columns measured 14.1 -> 13.7 us
+    if silu_mul:
+        if cols <= 32:
+            return cols, 32, 256, 4, 4
+        return (cols, 128, 128, 4, 3) if cols <= 128 else (32, 32, 256, 4, 4)
+    if cols <= 32:
+        return cols, 32, 512, 4, 4
+    return (cols, 64, 256, 4, 4) if cols <= 64 else (64, 64, 256, 4, 4)
 
 
 def _skinny(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu_mul: bool) -> torch.Tensor:
@@ -103,16 +128,19 @@ def _skinny(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, si
     M = x2.shape[0]
     assert M <= MAX_ROWS and weight.stride(-1) == 1 and x.shape[-1] == K and not (silu_mul and N2 % 2)
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    block_n, block_k, warps, stages = launch_config(N2)
-    if silu_mul:   # a program streams block_n // 2 gate rows and as many up rows: the same tile as gate_up
-        block_n //= 2
-    on = pdl()
-    _skinny_kernel[(-(-N // block_n),)](
-        x2, weight, bias if bias is not None else weight, y, M, N, K, x2.stride(0), weight.stride(0), y.stride(0),
-        HAS_BIAS=bias is not None, SILU_MUL=silu_mul, BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k,
-        UPCAST=upcast_loads(x.dtype), DOT_PREC=dot_precision(x.dtype), PDL=on, num_warps=warps, num_stages=stages,
-        **({"launch_pdl": True} if on else {}))
+    _launch(x2, weight, bias, y, silu_mul, *launch_config(N, silu_mul, num_sms(x.device)))
     return y.view(*x.shape[:-1], N)
+
+
+def _launch(x2, weight, bias, y, silu_mul, cols, block_n, block_k, warps, stages):
+    M, K = x2.shape
+    N = y.shape[1]
+    on = pdl()
+    _skinny_kernel[(-(-N // cols),)](
+        x2, weight, bias if bias is not None else weight, y, M, N, K, cols, x2.stride(0), weight.stride(0), y.stride(0),
+        HAS_BIAS=bias is not None, SILU_MUL=silu_mul, BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k,
+        UPCAST=upcast_loads(x2.dtype), DOT_PREC=dot_precision(x2.dtype), PDL=on, num_warps=warps, num_stages=stages,
+        **({"launch_pdl": True} if on else {}))
 
 
 def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
