@@ -331,10 +331,14 @@ def test_select_pages_triton_matches_reference(B, G, N, P, n):
 
 @interp
 @pytest.mark.parametrize("kind", ["distinct", "ties_at_threshold", "few_values", "negative", "tiny_gaps"])
-def test_select_pages_triton_stops_early_only_when_exact(kind):
+@pytest.mark.parametrize("packed", [True, False])
+def test_select_pages_triton_stops_early_only_when_exact(kind, packed, monkeypatch):
     """The threshold search stops once exactly k keys reach it; every kind of score row gives the
     top k by (score, then page order), whether it stops early (distinct scores) or runs all 32
-    passes (a tie across the k-th place)."""
+    passes (a tie across the k-th place); with the slots from one packed scan or from two scans
+    (tables of PACKED_MAX_PAGES pages or more)."""
+    if not packed:
+        monkeypatch.setattr(qk, "PACKED_MAX_PAGES", 0)
     g = torch.Generator().manual_seed(len(kind))
     B, G, N, P, n = 3, 4, 200, 4, 17
     scores, bt, ctx = select_case(g, B, G, N, P, "cpu")

@@ -32,6 +32,7 @@ from sparsevllm.kernels.common import jit, pow2, tl, use_triton
 
 BLOCK_PAGES = 32   # pages per scoring program: a [32, 128] fp32 tile per min/max fits in registers
 SCORE_WARPS = 4    # H200, 4 x 8K pages x 8 heads: 33-35 us for 16-64 pages and 2-8 warps alike
+PACKED_MAX_PAGES = 1 << 15   # below this, select_pages packs two per-page counts in one int32 scan
 
 
 # ---------------------------------------------------------------- page min/max
@@ -242,7 +243,7 @@ def select_pages_ref(scores: torch.Tensor, block_tables: torch.Tensor, cache_len
 def _select_pages_kernel(score_ptr, table_ptr, len_ptr, out_ptr, out_len_ptr,
                          stride_sb, stride_sg, stride_tb, stride_ob, stride_og, N, G,
                          P: tl.constexpr, NUM_PAGES: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_K: tl.constexpr):
+                         BLOCK_K: tl.constexpr, PACKED: tl.constexpr):
     b = tl.program_id(0)
     g = tl.program_id(1)
     ctx = tl.load(len_ptr + b)
@@ -279,10 +280,18 @@ def _select_pages_kernel(score_ptr, table_ptr, len_ptr, out_ptr, out_len_ptr,
         i += 1
     above = key > t
     tie = (key == t) & in_row
-    # Ties at the threshold fill the remaining slots in page order.
+    # Ties at the threshold fill the remaining slots in page order. One scan counts both the pages
+    # above and the ties before each entry (packed in one int32 where N < 2^15): a chosen page's slot is
+    # the aboves before it plus its tie rank capped at `free` (13.97 -> 12.69 us with two scans).
     free = k - tl.sum(above.to(tl.int32), 0)
-    chosen = above | (tie & (tl.cumsum(tie.to(tl.int32), 0) <= free))
-    slot = tl.cumsum(chosen.to(tl.int32), 0) - 1
+    if PACKED:
+        both = tl.cumsum(above.to(tl.int32) + (tie.to(tl.int32) << 16), 0)
+        ties_before = both >> 16
+        chosen = above | (tie & (ties_before <= free))
+        slot = (both & 0xFFFF) + tl.minimum(ties_before, free) - 1
+    else:
+        chosen = above | (tie & (tl.cumsum(tie.to(tl.int32), 0) <= free))
+        slot = tl.cumsum(chosen.to(tl.int32), 0) - 1
     page = tl.load(table_ptr + b * stride_tb + offs, mask=chosen, other=0)
     tl.store(out_row + slot, page, mask=chosen)
     tl.store(out_row + k, tl.load(table_ptr + b * stride_tb + current))
@@ -302,7 +311,7 @@ def select_pages_triton(scores: torch.Tensor, block_tables: torch.Tensor, cache_
         scores, block_tables, cache_lens.to(torch.int32), table, lengths,
         scores.stride(0), scores.stride(1), block_tables.stride(0), table.stride(0), table.stride(1), N, G,
         P=int(page_size), NUM_PAGES=int(budget_pages), BLOCK_N=block_n, BLOCK_K=pow2(budget_pages),
-        num_warps=max(4, min(8, block_n // 1024)))   # 8 measured best at N = 8K
+        PACKED=N < PACKED_MAX_PAGES, num_warps=max(4, min(8, block_n // 1024)))   # 8 measured best at N = 8K
     return table, lengths
 
 
