@@ -105,10 +105,9 @@ def launch_config(n: int, silu_mul: bool, sms: int) -> tuple[int, int, int, int,
     up] weight: n of each), from sweeps on the H200 at Llama-3.1-8B shapes.
 
     A weight is a single wave: its columns are spread evenly over the SMs, ceil(n / sms) rounded up
-    to an even count a program, in the smallest tile that holds them, so no SM idles while the
-    others stream. qkv (n = 6144) is 48 columns on 128 SMs instead of 64-column tiles on 96 (15.7 ->
-    13.7 us), gate_up 109 + 109 columns on 132 SMs instead of 448 tiles of 32 + 32 (61.0 -> 55.1 us),
-    M = 4, weights cold in L2. Wider weights (the LM head) keep 64-column tiles in many waves."""
+    to an even count a program, in the smallest tile that holds them (qkv: 48 columns on 128 SMs;
+    gate_up: 109 + 109 on 132; times in the module docstring). Wider weights (the LM head) keep
+    64-column tiles in many waves."""
     cols = -(-n // sms)
     cols += cols % 2      # qkv: 47 -> 48 columns measured 14.1 -> 13.7 us
     if silu_mul:
@@ -129,19 +128,14 @@ def _skinny(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, si
     M = x2.shape[0]
     assert M <= MAX_ROWS and weight.stride(-1) == 1 and x.shape[-1] == K and not (silu_mul and N2 % 2)
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    _launch(x2, weight, bias, y, silu_mul, *launch_config(N, silu_mul, num_sms(x.device)))
-    return y.view(*x.shape[:-1], N)
-
-
-def _launch(x2, weight, bias, y, silu_mul, cols, block_n, block_k, warps, stages):
-    M, K = x2.shape
-    N = y.shape[1]
+    cols, block_n, block_k, warps, stages = launch_config(N, silu_mul, num_sms(x.device))
     on = pdl()
     _skinny_kernel[(-(-N // cols),)](
         x2, weight, bias if bias is not None else weight, y, M, N, K, cols, x2.stride(0), weight.stride(0), y.stride(0),
         HAS_BIAS=bias is not None, SILU_MUL=silu_mul, BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k,
-        UPCAST=upcast_loads(x2.dtype), DOT_PREC=dot_precision(x2.dtype), PDL=on, num_warps=warps, num_stages=stages,
+        UPCAST=upcast_loads(x.dtype), DOT_PREC=dot_precision(x.dtype), PDL=on, num_warps=warps, num_stages=stages,
         **({"launch_pdl": True} if on else {}))
+    return y.view(*x.shape[:-1], N)
 
 
 def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
