@@ -322,7 +322,7 @@ def select_case(g, B, G, N, P, device):
 
 
 @interp
-@pytest.mark.parametrize("B,G,N,P,n", [(3, 2, 40, 4, 5), (4, 8, 300, 16, 128), (2, 1, 17, 1, 3)])
+@pytest.mark.parametrize("B,G,N,P,n", [(3, 2, 40, 4, 5), (4, 8, 300, 16, 128), (2, 1, 17, 1, 3), (2, 3, 8016, 16, 128)])
 def test_select_pages_triton_matches_reference(B, G, N, P, n):
     args = select_case(torch.Generator().manual_seed(N), B, G, N, P, "cpu")
     got, want = qk.select_pages_triton(*args, P, n), qk.select_pages_ref(*args, P, n)
@@ -330,13 +330,15 @@ def test_select_pages_triton_matches_reference(B, G, N, P, n):
 
 
 @interp
-@pytest.mark.parametrize("kind", ["distinct", "ties_at_threshold", "few_values", "negative", "tiny_gaps"])
+@pytest.mark.parametrize("kind", ["distinct", "ties_at_threshold", "few_values", "negative", "tiny_gaps",
+                                  "wide_range", "constant"])
 @pytest.mark.parametrize("packed", [True, False])
 def test_select_pages_triton_stops_early_only_when_exact(kind, packed, monkeypatch):
     """The threshold search stops once exactly k keys reach it; every kind of score row gives the
-    top k by (score, then page order), whether it stops early (distinct scores) or runs all 32
-    passes (a tie across the k-th place); with the slots from one packed scan or from two scans
-    (tables of PACKED_MAX_PAGES pages or more)."""
+    top k by (score, then page order), whether it stops early (distinct scores) or narrows down to
+    one key (a tie across the k-th place), whether the threshold lies within a binade of the row's
+    max or many below it (wide_range: magnitudes 1e-30 .. 1e30 of both signs); with the counts and
+    slots packed or not (tables of PACKED_MAX_PAGES pages or more)."""
     if not packed:
         monkeypatch.setattr(qk, "PACKED_MAX_PAGES", 0)
     g = torch.Generator().manual_seed(len(kind))
@@ -348,7 +350,9 @@ def test_select_pages_triton_stops_early_only_when_exact(kind, packed, monkeypat
             "ties_at_threshold": torch.randint(0, 4, (B, G, N), generator=g).float(),
             "few_values": torch.randint(0, 2, (B, G, N), generator=g).float() * 2.5,
             "negative": -torch.rand(B, G, N, generator=g) - 1e-3,
-            "tiny_gaps": 1.0 + torch.randint(0, 64, (B, G, N), generator=g).float() * 2 ** -23}[kind]
+            "tiny_gaps": 1.0 + torch.randint(0, 64, (B, G, N), generator=g).float() * 2 ** -23,
+            "wide_range": torch.randn(B, G, N, generator=g).sign() * 10 ** (torch.rand(B, G, N, generator=g) * 60 - 30),
+            "constant": torch.full((B, G, N), -3.5)}[kind]
     scores = base.masked_fill(torch.arange(N).view(1, 1, N) >= current.view(B, 1, 1), float("-inf"))
     table, lengths = qk.select_pages_triton(scores, bt, ctx, P, n)
     for b in range(B):
