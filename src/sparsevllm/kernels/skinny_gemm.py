@@ -28,8 +28,9 @@ down_proj add the residual, write it and norm_weight * it, and each program's pe
 squares; qkv and gate_up, whose x that is, sum those partial sums in a fixed order (the same bits
 every run) and scale their rows by 1 / rms before the bias and the activation. Nothing changes in
 either K loop (a norm computed in the next GEMM's K loop made the GEMMs ~1.7x slower on the H200):
-63 of the 65 norm launches of a Llama-3.1-8B decode step go (the first layer's and the final norm stay). The rounding differs from the three launches
-(norm_weight * r is rounded before the GEMM, 1 / rms applied after it): bf16 noise, tested.
+63 of the 65 norm launches of a Llama-3.1-8B decode step go (the first layer's and the final one
+stay). The rounding differs from the three launches (norm_weight * r is rounded before the GEMM,
+1 / rms applied after it): bf16 noise, tested.
 
 On the GPU every launch is a programmatic dependent launch (PDL, see common.pdl): the kernel lets
 the next one start early (`gdc_launch_dependents`), asks L2 for its first weight tile and only then
