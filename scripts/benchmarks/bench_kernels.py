@@ -9,6 +9,7 @@ cases are launch-bound there) and replayed from a CUDA graph (do_bench_cudagraph
 decode). The fused ops (RMSNorm, RoPE + KV-cache write, SiLU-mul) are timed against their torch
 references; the decode-step GEMM (skinny_gemm, at most 16 rows) against F.linear (cuBLAS) on the
 Llama-3.1-8B weight shapes, graph-timed with the weight cold in L2 and reported as GB/s of weight read.
+Decoder layers' GEMMs with the RMSNorms as launches against the norms in the GEMM epilogues.
 DeltaKV's up(z) of the selected latents: gather + F.linear against the gathering Triton GEMM.
 --sweep first tries launch settings of the decode and prefill kernels and uses the best;
 --sweep-splits times several split-count heuristics.
@@ -249,6 +250,49 @@ def bench_skinny(results, gen, shapes, row_counts, dtype, cold_bytes):
             torch.cuda.empty_cache()
 
 
+def bench_layer_norms(results, gen, dims, row_counts, layers, dtype):
+    """Decoder layers' decode GEMMs and RMSNorms, graph-timed: the norms as their own launches (add +
+    norm after o_proj and down) against the norms in the GEMM epilogues (skinny_gemm.linear_add_norm,
+    the rows' 1 / rms applied by qkv / gate_up). dims: (hidden, qkv width, intermediate); attention
+    is left out (qkv's first `hidden` columns feed o_proj). Every layer has its own weights, so
+    they stream from HBM as in a decode step."""
+    H, QKV, I = dims
+    eps = 1e-5
+    ws = [{n: torch.randn(a, b, device=DEV, dtype=dtype, generator=gen) * 0.02 for n, a, b in
+           (("qkv", QKV, H), ("o", H, H), ("gate_up", 2 * I, H), ("down", H, I))} for _ in range(layers)]
+    norms = [torch.rand(2, H, device=DEV, generator=gen).to(dtype) + 0.5 for _ in range(layers)]
+
+    def plain(h):
+        x, res = rmsnorm.rms_norm(h, norms[0][0], eps), h
+        for i, w in enumerate(ws):
+            a = sk.linear(x, w["qkv"])[:, :H]
+            x, res = rmsnorm.rms_norm(sk.linear(a, w["o"]), norms[i][1], eps, res)
+            y = sk.linear(sk.linear_silu_mul(x, w["gate_up"]), w["down"])
+            x, res = rmsnorm.rms_norm(y, norms[(i + 1) % layers][0], eps, res)
+        return x
+
+    def fused(h):
+        x, res, row = rmsnorm.rms_norm(h, norms[0][0], eps), h, None
+        for i, w in enumerate(ws):
+            a = sk.linear(x, w["qkv"], None, row)[:, :H]
+            x, res, parts = sk.linear_add_norm(a, w["o"], res, norms[i][1])
+            m = sk.linear_silu_mul(x, w["gate_up"], (parts, eps))
+            x, res, parts = sk.linear_add_norm(m, w["down"], res, norms[(i + 1) % layers][0])
+            row = (parts, eps)
+        return x
+
+    for M in row_counts:
+        h = torch.randn(M, H, device=DEV, dtype=dtype, generator=gen)
+        row = {"layers": layers, "hidden": H, "rows": M, "engine_fuses": sk.takes(h, ws[0]["o"])}
+        for label, fn in (("norm_launches", plain), ("norms_in_epilogues", fused)):
+            row[f"{label}_ms"] = round(bench_graph_ms(lambda: fn(h)), 4)
+        results.append(row)
+        print("layer_norms", row, flush=True)
+    del ws
+    if DEV == "cuda":
+        torch.cuda.empty_cache()
+
+
 def bench_deltakv_up(results, gen, cases, dtype):
     """DeltaKV's up(z) of a decode step's selected latents (a linear up): the gather then F.linear
     (cuBLAS) against the Triton GEMM that gathers in its loads, graph-timed, per (requests, kept
@@ -419,6 +463,10 @@ def run(args, report, gen, save):
     save()
     report["skinny_gemm"] = []
     bench_skinny(report["skinny_gemm"], gen, linears, rows, gemm_dtype, cold_bytes)
+    save()
+    report["layer_norms"] = []   # 32 Llama-3.1-8B layers (~14 GB of weights); smoke: 2 tiny ones
+    bench_layer_norms(report["layer_norms"], gen, (64, 96, 80) if args.smoke else (4096, 6144, 14336),
+                      (1, 3) if args.smoke else (1, 4, 16), 2 if args.smoke else 32, gemm_dtype)
     save()
     report["deltakv_up"] = []   # Llama-3.1-8B at 128K x 4: 2,048 kept a request, latent 128, 8 x 128 heads
     bench_deltakv_up(report["deltakv_up"], gen, [(2, 20, 8, 48, 100)] if args.smoke else
