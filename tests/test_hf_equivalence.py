@@ -76,8 +76,8 @@ def test_decode_gemms_with_the_norm_in_their_epilogues_match_transformers(tiny_m
     monkeypatch.setattr(parallel_linear, "takes", decode_sized)
     monkeypatch.setattr(skinny_gemm, "num_sms", lambda device: 3)   # a few programs a launch, partial sums from each
     calls = []
-    add_norm = skinny_gemm.skinny_add_norm_triton
-    monkeypatch.setattr(skinny_gemm, "skinny_add_norm_triton", lambda *a: calls.append(1) or add_norm(*a))
+    add_norm = parallel_linear.skinny_add_norm_triton
+    monkeypatch.setattr(parallel_linear, "skinny_add_norm_triton", lambda *a: calls.append(1) or add_norm(*a))
     path = tiny_model(arch)
     llm = LLM(path, page_size=4)
     sp = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)

@@ -523,9 +523,9 @@ def test_gpu_decoder_gemms_with_the_norms_in_their_epilogues_under_a_graph_bf16(
         x = rmsnorm.rms_norm(h, g1, eps)
         for _ in range(layers):
             a = skinny_gemm.linear(x, w["qkv"], None, row)[:, :4096]
-            x, res, parts = skinny_gemm.linear_add_norm(a, w["o"], res, g2)
+            x, res, parts = skinny_gemm.skinny_add_norm_triton(a, w["o"], res, g2)
             m = skinny_gemm.linear_silu_mul(x, w["gate_up"], (parts, eps))
-            x, res, parts = skinny_gemm.linear_add_norm(m, w["down"], res, g1)
+            x, res, parts = skinny_gemm.skinny_add_norm_triton(m, w["down"], res, g1)
             row = (parts, eps)
         return x, res, row
 

@@ -252,7 +252,7 @@ def bench_skinny(results, gen, shapes, row_counts, dtype, cold_bytes):
 
 def bench_layer_norms(results, gen, dims, row_counts, layers, dtype):
     """Decoder layers' decode GEMMs and RMSNorms, graph-timed: the norms as their own launches (add +
-    norm after o_proj and down) against the norms in the GEMM epilogues (skinny_gemm.linear_add_norm,
+    norm after o_proj and down) against the norms in the GEMM epilogues (skinny_gemm.skinny_add_norm_triton,
     the rows' 1 / rms applied by qkv / gate_up). dims: (hidden, qkv width, intermediate); attention
     is left out (qkv's first `hidden` columns feed o_proj). Every layer has its own weights, so
     they stream from HBM as in a decode step."""
@@ -275,9 +275,9 @@ def bench_layer_norms(results, gen, dims, row_counts, layers, dtype):
         x, res, row = rmsnorm.rms_norm(h, norms[0][0], eps), h, None
         for i, w in enumerate(ws):
             a = sk.linear(x, w["qkv"], None, row)[:, :H]
-            x, res, parts = sk.linear_add_norm(a, w["o"], res, norms[i][1])
+            x, res, parts = sk.skinny_add_norm_triton(a, w["o"], res, norms[i][1])
             m = sk.linear_silu_mul(x, w["gate_up"], (parts, eps))
-            x, res, parts = sk.linear_add_norm(m, w["down"], res, norms[(i + 1) % layers][0])
+            x, res, parts = sk.skinny_add_norm_triton(m, w["down"], res, norms[(i + 1) % layers][0])
             row = (parts, eps)
         return x
 

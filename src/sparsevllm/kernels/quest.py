@@ -274,11 +274,11 @@ def _select_pages_kernel(score_ptr, table_ptr, len_ptr, out_ptr, out_len_ptr,
     # for the bit-by-bit search this replaced (a CPU count of the passes: the data decide them).
     k = NUM_PAGES - 1
     top = tl.max(key, 0).to(tl.int64) + 1
-    lo = top * 0 - 2147483648          # int64 scalars: the cut points' arithmetic must not wrap
+    lo = tl.full((), -2147483648, tl.int64)   # int64 scalars: the cut points' arithmetic must not wrap
     hi = top
-    gap = top * 0 + 4194304            # 2^22
-    n_lo = (top * 0 + BLOCK_N).to(tl.int32)   # every key, padding's too, is >= INT_MIN
-    gallop = n_lo > 0
+    gap = tl.full((), 1 << 22, tl.int64)
+    n_lo = tl.full((), BLOCK_N, tl.int32)     # every key, padding's too, is >= INT_MIN
+    gallop = tl.full((), 1, tl.int1)
     while (n_lo != k) & (hi - lo > 1):
         span = hi - lo
         c1 = tl.where(gallop, top - 2 * gap, lo + span // 3)

@@ -22,8 +22,8 @@ and only weights wide enough to give every SM a program (smaller models keep cuB
 The MLP's gate_up goes through linear_silu_mul: the same kernel with SiLU(gate) * up in its
 epilogue, so a decode step has no separate activation launch and no [M, 2I] intermediate.
 
-The RMSNorm between two projections can ride in their epilogues (linear_add_norm, then linear /
-linear_silu_mul with row_norm; RowParallelLinear.add_norm picks it on one rank): o_proj and
+The RMSNorm between two projections can ride in their epilogues (skinny_add_norm_triton, then
+linear / linear_silu_mul with row_norm; RowParallelLinear.add_norm picks it on one rank): o_proj and
 down_proj add the residual, write it and norm_weight * it, and each program's per-row sum of
 squares; qkv and gate_up, whose x that is, sum those partial sums in a fixed order (the same bits
 every run) and scale their rows by 1 / rms before the bias and the activation. Nothing changes in
@@ -265,16 +265,8 @@ def linear_silu_mul(x: torch.Tensor, weight: torch.Tensor,
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            row_norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
     """F.linear, with decode-sized steps over wide weights routed to the weight-streaming kernel.
-    row_norm: x came from linear_add_norm (see skinny_linear_ref)."""
+    row_norm: x came from skinny_add_norm (see skinny_linear_ref)."""
     if takes(x, weight):
         return skinny_linear_triton(x, weight, bias, row_norm)
     return skinny_linear_ref(x, weight, bias, row_norm)
 
-
-def linear_add_norm(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor,
-                    norm_weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """skinny_add_norm: the weight-streaming kernel with the add and the norm in its epilogue on
-    decode-sized steps, the reference elsewhere."""
-    if takes(x, weight):
-        return skinny_add_norm_triton(x, weight, residual, norm_weight)
-    return skinny_add_norm_ref(x, weight, residual, norm_weight)

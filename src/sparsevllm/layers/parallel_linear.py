@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from sparsevllm.distributed import tp_rank, tp_size
-from sparsevllm.kernels.skinny_gemm import linear, linear_add_norm, linear_silu_mul, takes
+from sparsevllm.kernels.skinny_gemm import linear, linear_silu_mul, skinny_add_norm_triton, takes
 
 
 # SPARSEVLLM_FUSED_NORM=0 keeps the norms as their own launches (to measure what the fusion brings).
@@ -122,7 +122,7 @@ class RowParallelLinear(nn.Module):
         per-row sums of squares that the next linear turns into 1 / rms (one norm launch fewer).
         Elsewhere the two launches, row_norm None; norm None: (self(x), residual, None)."""
         if norm is not None and self.tp_size == 1 and self.bias is None and FUSED_NORM and takes(x, self.weight):
-            out, residual, parts = linear_add_norm(x, self.weight, residual, norm.weight)
+            out, residual, parts = skinny_add_norm_triton(x, self.weight, residual, norm.weight)
             return out, residual, (parts, norm.eps)
         y = self(x)
         if norm is None:
