@@ -266,6 +266,8 @@ def test_kernel_benchmark_smoke_run_covers_decode_rope_store_and_the_skinny_gemm
                for r in gemm)
     (up,) = report["deltakv_up"]
     assert up["gather_f_linear_us"] > 0 and up["triton_us"] > 0
+    (quest_store,) = report["quest_store"]
+    assert quest_store["two_launches_us"] > 0 and quest_store["one_launch_us"] > 0
     assert report["prefill"]
 
 
