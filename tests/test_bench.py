@@ -269,6 +269,8 @@ def test_kernel_benchmark_smoke_run_covers_decode_rope_store_and_the_skinny_gemm
     assert all(r["norm_launches_ms"] > 0 and r["norms_in_epilogues_ms"] > 0 for r in norms)
     (up,) = report["deltakv_up"]
     assert up["gather_f_linear_us"] > 0 and up["triton_us"] > 0
+    (quest_store,) = report["quest_store"]
+    assert quest_store["two_launches_us"] > 0 and quest_store["one_launch_us"] > 0
     assert report["prefill"]
 
 

@@ -33,6 +33,7 @@ import triton  # noqa: E402
 from sparsevllm.kernels import decode_attention as da  # noqa: E402
 from sparsevllm.kernels import prefill_attention as pa, rmsnorm, rope_store as rs, silu_mul  # noqa: E402
 from sparsevllm.kernels import deltakv as kd  # noqa: E402
+from sparsevllm.kernels import quest as qk  # noqa: E402
 from sparsevllm.kernels import skinny_gemm as sk  # noqa: E402
 
 HQ, HKV, D = 32, 8, 128
@@ -310,6 +311,47 @@ def bench_deltakv_up(results, gen, cases, dtype):
         print("deltakv_up", row, flush=True)
 
 
+def bench_quest_store(results, gen, B, N, layers, block_pages, dtype):
+    """Quest's decode store and page scoring, `layers` layers in one graph (so the launch gaps
+    count): rope_store (with the page bounds) then quest_scores, against the store inside the
+    scoring launch (store_and_score), per scoring block size. Tables of N 16-token pages, nearly
+    full; each layer has its own bounds (134 MB at 128K x 4: no layer finds the last one's in L2)."""
+    P = 16
+    pages = B * N + 3
+    ctx = torch.full((B,), N * P - 5, device=DEV, dtype=torch.int32)
+    bt = torch.randperm(pages, device=DEV, generator=gen)[:B * N].view(B, N).int()
+    slots = bt[torch.arange(B, device=DEV), (ctx.long() - 1) // P].long() * P + (ctx.long() - 1) % P
+    q = torch.randn(B, HQ, D, device=DEV, dtype=dtype, generator=gen)
+    k, v = (torch.randn(B, HKV, D, device=DEV, dtype=dtype, generator=gen) for _ in range(2))
+    cos_sin = torch.randn(N * P, D, device=DEV, generator=gen)
+    k_cache, v_cache = (torch.zeros(pages * P, HKV, D, device=DEV, dtype=dtype) for _ in range(2))
+    kmin = [torch.randn(pages, HKV, D, device=DEV, dtype=dtype, generator=gen) for _ in range(layers)]
+    kmax = [x + 1 for x in kmin]
+    pos = ctx.long() - 1
+
+    def two():
+        for i in range(layers):
+            q_rot, _ = rs.rope_store_triton(q, k, v, pos, cos_sin, k_cache, v_cache, slots, kmin[i], kmax[i], P)
+            qk.quest_scores_triton(q_rot, kmin[i], kmax[i], bt, ctx, P, "kv_head")
+
+    def one():
+        for i in range(layers):
+            qk.store_and_score_triton(q, k, v, pos, cos_sin, k_cache, v_cache, slots, kmin[i], kmax[i], bt, ctx,
+                                      P, "kv_head", torch.empty_like(q), torch.empty_like(k))
+
+    keep = qk.BLOCK_PAGES
+    try:
+        for bp in block_pages:
+            qk.BLOCK_PAGES = bp
+            row = {"requests": B, "pages": N, "layers": layers, "block_pages": bp,
+                   "two_launches_us": round(bench_graph_ms(two) / layers * 1e3, 2),
+                   "one_launch_us": round(bench_graph_ms(one) / layers * 1e3, 2)}
+            results.append(row)
+            print("quest_store", row, flush=True)
+    finally:
+        qk.BLOCK_PAGES = keep
+
+
 def gather_sdpa(q, k_cache, v_cache, block_tables, context_len, page_size, scale):
     """The naive paged-prefix path: gather the context's K/V, then masked SDPA."""
     n = q.shape[0]
@@ -471,6 +513,10 @@ def run(args, report, gen, save):
     report["deltakv_up"] = []   # Llama-3.1-8B at 128K x 4: 2,048 kept a request, latent 128, 8 x 128 heads
     bench_deltakv_up(report["deltakv_up"], gen, [(2, 20, 8, 48, 100)] if args.smoke else
                      [(1, 2048, 128, 2048, 128000), (4, 2048, 128, 2048, 4 * 128000)], gemm_dtype)
+    save()
+    report["quest_store"] = []   # Llama-3.1-8B at 128K x 4: 8,016 pages of 16 tokens a request
+    bench_quest_store(report["quest_store"], gen, *((3, 40, 2, (32,)) if args.smoke else (4, 8016, 8, (32, 64))),
+                      gemm_dtype)
     save()
     report["prefill_sweep"] = []
     if args.sweep and not args.smoke:

@@ -18,6 +18,11 @@ attended and is not a candidate, and entries past the row's pages are padding. P
 pages all lie past the row's current page write -inf and exit, so the work follows the real
 length, not the static table width that CUDA graphs use.
 
+store_and_score: a decode step's rope_store (RoPE, the cache write, the page bounds) done by the
+scoring kernel's programs (the first block's program of each request and KV head writes; every
+program rotates the query heads it scores with), one launch a layer less. Nothing in the launch
+reads what it writes: a decode token lands in its request's current page, never a candidate.
+
 select_pages: per row (request, page set), the n - 1 highest-scoring candidate pages in logical
 order, then the current page. The Triton version is one program per row: it finds the (n - 1)-th
 largest score over the scores' order-preserving int32 keys, fixing one bit per round (at most 32
@@ -29,6 +34,7 @@ layer, with one.
 import torch
 
 from sparsevllm.kernels.common import jit, pow2, tl, use_triton
+from sparsevllm.kernels.rope_store import rope_store_ref
 
 BLOCK_PAGES = 32   # pages per scoring program: a [32, 128] fp32 tile per min/max fits in registers
 SCORE_WARPS = 4    # H200, 4 x 8K pages x 8 heads: 33-35 us for 16-64 pages and 2-8 warps alike
@@ -131,12 +137,72 @@ def quest_scores_ref(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, bl
 
 
 @jit
+def _rope_row(pos_ptr, cs_ptr, b, stride_c, dims, dim_ok, HALF: tl.constexpr):
+    """Request b's token's cos / sin per channel, and each channel's rotation partner."""
+    position = tl.load(pos_ptr + b).to(tl.int64)
+    cos = tl.load(cs_ptr + position * stride_c + dims % HALF, mask=dim_ok, other=0.0).to(tl.float32)
+    sin = tl.load(cs_ptr + position * stride_c + HALF + dims % HALF, mask=dim_ok, other=0.0).to(tl.float32)
+    first_half = dims < HALF
+    return first_half, tl.where(first_half, dims + HALF, dims - HALF), cos, sin
+
+
+@jit
+def _rotated(x_ptr, dims, dim_ok, partner, first_half, cos, sin):
+    """One head's vector rotated to its position with rope_store's two fmas (fp32): the first half
+    x1 cos - x2 sin, the second x2 cos + x1 sin, x1 / x2 the halves."""
+    x = tl.load(x_ptr + dims, mask=dim_ok, other=0.0).to(tl.float32)
+    xs = tl.load(x_ptr + partner, mask=dim_ok, other=0.0).to(tl.float32)
+    return tl.where(first_half, tl.fma(x, cos, -(xs * sin)), tl.fma(xs, sin, x * cos))
+
+
+@jit
+def _store_token(rq_ptr, k_ptr, v_ptr, qo_ptr, ko_ptr, pos_ptr, cs_ptr, slot_ptr, kc_ptr, vc_ptr, kmin_ptr,
+                 kmax_ptr, b, r, dims, dim_ok, stride_c,
+                 stride_rqb, stride_rqh, stride_kb, stride_kh, stride_vb, stride_vh,
+                 stride_qob, stride_qoh, stride_kob, stride_koh, stride_kcs, stride_kch,
+                 stride_vcs, stride_vch, stride_ms, stride_mh, stride_xs, stride_xh,
+                 GROUP: tl.constexpr, KV_PER_PROG: tl.constexpr, P: tl.constexpr, HALF: tl.constexpr):
+    """rope_store's work for request b's token and KV heads r * KV_PER_PROG .. + KV_PER_PROG: the
+    rotated query heads of their groups to qo, rotated k to ko, k and v to the token's slot (-1:
+    nowhere) and k folded into its page's bounds (reset by the page's first slot)."""
+    first_half, partner, cos, sin = _rope_row(pos_ptr, cs_ptr, b, stride_c, dims, dim_ok, HALF)
+    slot = tl.load(slot_ptr + b).to(tl.int64)   # int64: slot * stride overflows int32 on big pools
+    page = slot // P
+    first = slot % P == 0
+    for kh in range(KV_PER_PROG):
+        h = (r * KV_PER_PROG + kh).to(tl.int64)
+        for j in range(GROUP):
+            qh = h * GROUP + j
+            qr = _rotated(rq_ptr + b * stride_rqb + qh * stride_rqh, dims, dim_ok, partner, first_half, cos, sin)
+            tl.store(qo_ptr + b * stride_qob + qh * stride_qoh + dims, qr.to(qo_ptr.dtype.element_ty), mask=dim_ok)
+        kr = _rotated(k_ptr + b * stride_kb + h * stride_kh, dims, dim_ok, partner, first_half, cos, sin)
+        tl.store(ko_ptr + b * stride_kob + h * stride_koh + dims, kr.to(ko_ptr.dtype.element_ty), mask=dim_ok)
+        if slot >= 0:
+            kc = kr.to(kc_ptr.dtype.element_ty)
+            tl.store(kc_ptr + slot * stride_kcs + h * stride_kch + dims, kc, mask=dim_ok)
+            v = tl.load(v_ptr + b * stride_vb + h * stride_vh + dims, mask=dim_ok, other=0.0)
+            tl.store(vc_ptr + slot * stride_vcs + h * stride_vch + dims, v.to(vc_ptr.dtype.element_ty), mask=dim_ok)
+            kb = kc.to(kmin_ptr.dtype.element_ty)
+            mn = kmin_ptr + page * stride_ms + h * stride_mh + dims
+            mx = kmax_ptr + page * stride_xs + h * stride_xh + dims
+            if first:
+                tl.store(mn, kb, mask=dim_ok)
+                tl.store(mx, kb, mask=dim_ok)
+            else:
+                tl.store(mn, tl.minimum(tl.load(mn, mask=dim_ok, other=0.0), kb), mask=dim_ok)
+                tl.store(mx, tl.maximum(tl.load(mx, mask=dim_ok, other=0.0), kb), mask=dim_ok)
+
+
+@jit
 def _quest_scores_kernel(q_ptr, kmin_ptr, kmax_ptr, table_ptr, len_ptr, out_ptr,
                          stride_qb, stride_qh, stride_ms, stride_mh, stride_xs, stride_xh,
                          stride_tb, stride_ob, stride_og, N,
+                         rq_ptr, k_ptr, v_ptr, ko_ptr, pos_ptr, cs_ptr, slot_ptr, kc_ptr, vc_ptr,
+                         stride_rqb, stride_rqh, stride_kb, stride_kh, stride_vb, stride_vh,
+                         stride_kob, stride_koh, stride_c, stride_kcs, stride_kch, stride_vcs, stride_vch,
                          GROUP: tl.constexpr, KV_PER_PROG: tl.constexpr, PER_QUERY: tl.constexpr,
                          P: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                         BLOCK_P: tl.constexpr):
+                         BLOCK_P: tl.constexpr, STORE: tl.constexpr):
     # Program (b, r, blk) reads the metadata of KV heads r * KV_PER_PROG .. + KV_PER_PROG once
     # and scores them with their GROUP query heads: summed into row r (kv_head: one head a
     # program; shared: all heads, r = 0), or one row per query head (query_head).
@@ -146,14 +212,29 @@ def _quest_scores_kernel(q_ptr, kmin_ptr, kmax_ptr, table_ptr, len_ptr, out_ptr,
     current = (tl.load(len_ptr + b) - 1) // P
     offs = blk * BLOCK_P + tl.arange(0, BLOCK_P)
     out_row = out_ptr + b * stride_ob + offs
+    dims = tl.arange(0, BLOCK_D)
+    dim_ok = dims < HEAD_DIM
+    if STORE:
+        # The layer's decode RoPE and cache write ride in this launch (rope_store's work, one launch
+        # less a layer): the first block's program writes its query heads after RoPE to q (the
+        # attention's query), its KV heads' k and v to the request's slot and folds k into its
+        # page's bounds; every program rotates its query heads from the raw q (rq) itself. Nothing
+        # here reads the bounds written: the current page is never a candidate.
+        if blk == 0:
+            _store_token(rq_ptr, k_ptr, v_ptr, q_ptr, ko_ptr, pos_ptr, cs_ptr, slot_ptr, kc_ptr, vc_ptr,
+                         kmin_ptr, kmax_ptr, b, r, dims, dim_ok, stride_c,
+                         stride_rqb, stride_rqh, stride_kb, stride_kh, stride_vb, stride_vh,
+                         stride_qb, stride_qh, stride_kob, stride_koh, stride_kcs, stride_kch,
+                         stride_vcs, stride_vch, stride_ms, stride_mh, stride_xs, stride_xh,
+                         GROUP, KV_PER_PROG, P, HEAD_DIM // 2)
     if blk * BLOCK_P >= current:   # every page of this block is the current page or padding
         for j in range(GROUP if PER_QUERY else 1):
             tl.store(out_row + (r * GROUP + j if PER_QUERY else r) * stride_og,
                      tl.full([BLOCK_P], float("-inf"), tl.float32), mask=offs < N)
         return
     ok = offs < current
-    dims = tl.arange(0, BLOCK_D)
-    dim_ok = dims < HEAD_DIM
+    if STORE:
+        first_half, partner, cos, sin = _rope_row(pos_ptr, cs_ptr, b, stride_c, dims, dim_ok, HEAD_DIM // 2)
     page = tl.load(table_ptr + b * stride_tb + offs, mask=ok, other=0).to(tl.int64)
     tile_ok = ok[:, None] & dim_ok[None, :]
     acc = tl.zeros([BLOCK_P], tl.float32)
@@ -168,8 +249,12 @@ def _quest_scores_kernel(q_ptr, kmin_ptr, kmax_ptr, table_ptr, len_ptr, out_ptr,
         pos = tl.zeros([BLOCK_D], tl.float32)
         neg = tl.zeros([BLOCK_D], tl.float32)
         for j in range(GROUP):
-            qv = tl.load(q_ptr + b * stride_qb + (h * GROUP + j) * stride_qh + dims,
-                         mask=dim_ok, other=0.0).to(tl.float32)
+            if STORE:   # rounded to q's dtype as the stored query is: the same scores as unfused
+                qv = _rotated(rq_ptr + b * stride_rqb + (h * GROUP + j) * stride_rqh, dims, dim_ok, partner,
+                              first_half, cos, sin).to(q_ptr.dtype.element_ty).to(tl.float32)
+            else:
+                qv = tl.load(q_ptr + b * stride_qb + (h * GROUP + j) * stride_qh + dims,
+                             mask=dim_ok, other=0.0).to(tl.float32)
             if PER_QUERY:
                 bound = tl.sum(hi * tl.maximum(qv, 0.0)[None, :] + lo * tl.minimum(qv, 0.0)[None, :], 1)
                 tl.store(out_row + (h * GROUP + j) * stride_og, tl.where(ok, bound, float("-inf")),
@@ -186,6 +271,10 @@ def _quest_scores_kernel(q_ptr, kmin_ptr, kmax_ptr, table_ptr, len_ptr, out_ptr,
 def quest_scores_triton(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, block_tables: torch.Tensor,
                         cache_lens: torch.Tensor, page_size: int, selection: str) -> torch.Tensor:
     """Same contract as quest_scores_ref; one program per (request, KV head or all, block of pages)."""
+    return _scores_launch(q, kmin, kmax, block_tables, cache_lens, page_size, selection, None)
+
+
+def _scores_launch(q, kmin, kmax, block_tables, cache_lens, page_size, selection, store):
     B, Hq, D = q.shape
     Hkv = kmin.shape[1]
     N = block_tables.shape[1]
@@ -196,12 +285,25 @@ def quest_scores_triton(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
     shared = selection == "shared"
     out = torch.empty(B, G, N, dtype=torch.float32, device=q.device)
     grid = (B, 1 if shared else Hkv, -(-N // BLOCK_PAGES))
+    if store is None:   # the store's pointers and strides are unused: any tensor will do
+        rq, k, v, k_out, positions, cos_sin, slots, k_cache, v_cache = (q,) * 9
+    else:
+        rq, k, v, positions, cos_sin, k_cache, v_cache, slots, k_out = store
+        assert D % 2 == 0 and cos_sin.shape[-1] == D and rq.shape == q.shape and k.shape == k_out.shape == (B, Hkv, D)
+        assert positions.shape == slots.shape == (B,)
+        for x in (rq, k, v, k_out, cos_sin, k_cache, v_cache):
+            assert x.stride(-1) == 1
     _quest_scores_kernel[grid](
         q, kmin, kmax, block_tables, cache_lens, out,
         q.stride(0), q.stride(1), kmin.stride(0), kmin.stride(1), kmax.stride(0), kmax.stride(1),
         block_tables.stride(0), out.stride(0), out.stride(1), N,
+        rq, k, v, k_out, positions, cos_sin, slots, k_cache, v_cache,
+        rq.stride(0), rq.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_out.stride(0), k_out.stride(1), cos_sin.stride(0), k_cache.stride(0), k_cache.stride(1),
+        v_cache.stride(0), v_cache.stride(1),
         GROUP=Hq // Hkv, KV_PER_PROG=Hkv if shared else 1, PER_QUERY=selection == "query_head",
-        P=int(page_size), HEAD_DIM=D, BLOCK_D=pow2(D), BLOCK_P=BLOCK_PAGES, num_warps=SCORE_WARPS)
+        P=int(page_size), HEAD_DIM=D, BLOCK_D=pow2(D), BLOCK_P=BLOCK_PAGES, STORE=store is not None,
+        num_warps=SCORE_WARPS)
     return out
 
 
@@ -209,6 +311,39 @@ def quest_scores(q, kmin, kmax, block_tables, cache_lens, page_size, selection):
     if use_triton(q):
         return quest_scores_triton(q, kmin, kmax, block_tables, cache_lens, page_size, selection)
     return quest_scores_ref(q, kmin, kmax, block_tables, cache_lens, page_size, selection)
+
+
+# ---------------------------------------------------------------- decode store + page scores
+
+def store_and_score_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                        cos_sin_cache: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        slot_mapping: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
+                        block_tables: torch.Tensor, cache_lens: torch.Tensor, page_size: int, selection: str,
+                        q_out: torch.Tensor, k_out: torch.Tensor) -> torch.Tensor:
+    """A decode step's rope_store (with the page bounds) and then quest_scores, as one call: q, k, v
+    [B, H, D] before RoPE, one token per request; q_out / k_out receive q and k after RoPE (the
+    attention's query); returns the scores. The order does not matter to the scores: the page a
+    decode token lands in is its request's current page, which is never a candidate."""
+    q_rot, k_rot = rope_store_ref(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping,
+                                  kmin, kmax, page_size)
+    q_out.copy_(q_rot)
+    k_out.copy_(k_rot)
+    return quest_scores_ref(q_out, kmin, kmax, block_tables, cache_lens, page_size, selection)
+
+
+def store_and_score_triton(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, kmin, kmax,
+                           block_tables, cache_lens, page_size, selection, q_out, k_out):
+    """Same contract as store_and_score_ref, in the scoring kernel's one launch."""
+    assert kmin.dtype == k_cache.dtype and q_out.shape == q.shape and q_out.stride(-1) == 1
+    return _scores_launch(q_out, kmin, kmax, block_tables, cache_lens, page_size, selection,
+                          (q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, k_out))
+
+
+def store_and_score(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, kmin, kmax,
+                    block_tables, cache_lens, page_size, selection, q_out, k_out):
+    fn = store_and_score_triton if use_triton(q) else store_and_score_ref
+    return fn(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, kmin, kmax,
+              block_tables, cache_lens, page_size, selection, q_out, k_out)
 
 
 # ---------------------------------------------------------------- page selection
