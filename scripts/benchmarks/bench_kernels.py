@@ -311,45 +311,54 @@ def bench_deltakv_up(results, gen, cases, dtype):
         print("deltakv_up", row, flush=True)
 
 
-def bench_quest_store(results, gen, B, N, layers, block_pages, dtype):
-    """Quest's decode store and page scoring, `layers` layers in one graph (so the launch gaps
-    count): rope_store (with the page bounds) then quest_scores, against the store inside the
-    scoring launch (store_and_score), per scoring block size. Tables of N 16-token pages, nearly
-    full; each layer has its own bounds (134 MB at 128K x 4: no layer finds the last one's in L2)."""
-    P = 16
+def bench_quest_store(results, gen, B, N, layers, shapes, dtype):
+    """A Quest decode layer's front, `layers` layers in one graph (so launch gaps and early starts
+    count): the qkv GEMM (4,096 -> 6,144, a weight a layer), then rope_store (with the page
+    bounds) and quest_scores, or the store inside the scoring launch (store_and_score), then
+    select_pages; per scoring launch shape (pages a program, warps). Tables of N 16-token pages,
+    nearly full; each layer has its own bounds (134 MB at 128K x 4: none left in L2)."""
+    P, n = 16, min(128, N // 2)   # the default budget: 2,048 tokens
     pages = B * N + 3
     ctx = torch.full((B,), N * P - 5, device=DEV, dtype=torch.int32)
     bt = torch.randperm(pages, device=DEV, generator=gen)[:B * N].view(B, N).int()
     slots = bt[torch.arange(B, device=DEV), (ctx.long() - 1) // P].long() * P + (ctx.long() - 1) % P
-    q = torch.randn(B, HQ, D, device=DEV, dtype=dtype, generator=gen)
-    k, v = (torch.randn(B, HKV, D, device=DEV, dtype=dtype, generator=gen) for _ in range(2))
+    x = torch.randn(B, HQ * D, device=DEV, dtype=dtype, generator=gen)
+    w = [torch.randn((HQ + 2 * HKV) * D, HQ * D, device=DEV, dtype=dtype, generator=gen) / 64 for _ in range(layers)]
     cos_sin = torch.randn(N * P, D, device=DEV, generator=gen)
     k_cache, v_cache = (torch.zeros(pages * P, HKV, D, device=DEV, dtype=dtype) for _ in range(2))
     kmin = [torch.randn(pages, HKV, D, device=DEV, dtype=dtype, generator=gen) for _ in range(layers)]
-    kmax = [x + 1 for x in kmin]
+    kmax = [t + 1 for t in kmin]
     pos = ctx.long() - 1
+
+    def qkv(i):
+        # (the interpreter's GEMM would make a CPU smoke run slow; there F.linear stands in)
+        out = (sk.skinny_linear_triton if DEV == "cuda" else torch.nn.functional.linear)(x, w[i])
+        return (out[:, :HQ * D].view(B, HQ, D), out[:, HQ * D:(HQ + HKV) * D].view(B, HKV, D),
+                out[:, (HQ + HKV) * D:].view(B, HKV, D))
 
     def two():
         for i in range(layers):
+            q, k, v = qkv(i)
             q_rot, _ = rs.rope_store_triton(q, k, v, pos, cos_sin, k_cache, v_cache, slots, kmin[i], kmax[i], P)
-            qk.quest_scores_triton(q_rot, kmin[i], kmax[i], bt, ctx, P, "kv_head")
+            qk.select_pages_triton(qk.quest_scores_triton(q_rot, kmin[i], kmax[i], bt, ctx, P, "kv_head"), bt, ctx, P, n)
 
     def one():
         for i in range(layers):
-            qk.store_and_score_triton(q, k, v, pos, cos_sin, k_cache, v_cache, slots, kmin[i], kmax[i], bt, ctx,
-                                      P, "kv_head", torch.empty_like(q), torch.empty_like(k))
+            q, k, v = qkv(i)
+            scores = qk.store_and_score_triton(q, k, v, pos, cos_sin, k_cache, v_cache, slots, kmin[i], kmax[i], bt,
+                                               ctx, P, "kv_head", torch.empty_like(q), torch.empty_like(k))
+            qk.select_pages_triton(scores, bt, ctx, P, n)
 
-    keep = qk.BLOCK_PAGES
+    keep = qk.BLOCK_PAGES, qk.SCORE_WARPS
     try:
-        for bp in block_pages:
-            qk.BLOCK_PAGES = bp
-            row = {"requests": B, "pages": N, "layers": layers, "block_pages": bp,
+        for qk.BLOCK_PAGES, qk.SCORE_WARPS in shapes:
+            row = {"requests": B, "pages": N, "layers": layers, "block_pages": qk.BLOCK_PAGES, "warps": qk.SCORE_WARPS,
                    "two_launches_us": round(bench_graph_ms(two) / layers * 1e3, 2),
                    "one_launch_us": round(bench_graph_ms(one) / layers * 1e3, 2)}
             results.append(row)
             print("quest_store", row, flush=True)
     finally:
-        qk.BLOCK_PAGES = keep
+        qk.BLOCK_PAGES, qk.SCORE_WARPS = keep
 
 
 def gather_sdpa(q, k_cache, v_cache, block_tables, context_len, page_size, scale):
@@ -515,8 +524,8 @@ def run(args, report, gen, save):
                      [(1, 2048, 128, 2048, 128000), (4, 2048, 128, 2048, 4 * 128000)], gemm_dtype)
     save()
     report["quest_store"] = []   # Llama-3.1-8B at 128K x 4: 8,016 pages of 16 tokens a request
-    bench_quest_store(report["quest_store"], gen, *((3, 40, 2, (32,)) if args.smoke else (4, 8016, 8, (32, 64))),
-                      gemm_dtype)
+    bench_quest_store(report["quest_store"], gen, *((3, 40, 2, [(32, 4)]) if args.smoke else
+                                                    (4, 8016, 8, [(32, 4), (32, 8), (64, 4), (64, 8)])), gemm_dtype)
     save()
     report["prefill_sweep"] = []
     if args.sweep and not args.smoke:

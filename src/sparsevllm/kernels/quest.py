@@ -33,7 +33,7 @@ layer, with one.
 """
 import torch
 
-from sparsevllm.kernels.common import jit, pow2, tl, use_triton
+from sparsevllm.kernels.common import gdc_launch_dependents, gdc_wait, jit, pdl, pow2, tl, use_triton
 from sparsevllm.kernels.rope_store import rope_store_ref
 
 BLOCK_PAGES = 32   # pages per scoring program: a [32, 128] fp32 tile per min/max fits in registers
@@ -202,7 +202,7 @@ def _quest_scores_kernel(q_ptr, kmin_ptr, kmax_ptr, table_ptr, len_ptr, out_ptr,
                          stride_kob, stride_koh, stride_c, stride_kcs, stride_kch, stride_vcs, stride_vch,
                          GROUP: tl.constexpr, KV_PER_PROG: tl.constexpr, PER_QUERY: tl.constexpr,
                          P: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                         BLOCK_P: tl.constexpr, STORE: tl.constexpr):
+                         BLOCK_P: tl.constexpr, STORE: tl.constexpr, PDL: tl.constexpr):
     # Program (b, r, blk) reads the metadata of KV heads r * KV_PER_PROG .. + KV_PER_PROG once
     # and scores them with their GROUP query heads: summed into row r (kv_head: one head a
     # program; shared: all heads, r = 0), or one row per query head (query_head).
@@ -214,12 +214,57 @@ def _quest_scores_kernel(q_ptr, kmin_ptr, kmax_ptr, table_ptr, len_ptr, out_ptr,
     out_row = out_ptr + b * stride_ob + offs
     dims = tl.arange(0, BLOCK_D)
     dim_ok = dims < HEAD_DIM
+    if PDL:   # see common.pdl: the next kernel may start; nothing is written before gdc_wait
+        gdc_launch_dependents()
+    if blk * BLOCK_P < current:
+        ok = offs < current
+        if STORE:
+            first_half, partner, cos, sin = _rope_row(pos_ptr, cs_ptr, b, stride_c, dims, dim_ok, HEAD_DIM // 2)
+        page = tl.load(table_ptr + b * stride_tb + offs, mask=ok, other=0).to(tl.int64)
+        tile_ok = ok[:, None] & dim_ok[None, :]
+        acc = tl.zeros([BLOCK_P], tl.float32)
+        for kh in range(KV_PER_PROG):
+            h = (r * KV_PER_PROG + kh).to(tl.int64)
+            hi = tl.load(kmax_ptr + page[:, None] * stride_xs + h * stride_xh + dims[None, :],
+                         mask=tile_ok, other=0.0).to(tl.float32)
+            lo = tl.load(kmin_ptr + page[:, None] * stride_ms + h * stride_mh + dims[None, :],
+                         mask=tile_ok, other=0.0).to(tl.float32)
+            if PDL:   # the bounds, the table and the positions do not come from the kernel before; q does
+                gdc_wait()
+            # max(q hi, q lo) = relu(q) hi + min(q, 0) lo as hi >= lo; a group's sum of these is one
+            # pair of dot products with the group's summed relu(q) and min(q, 0).
+            pos = tl.zeros([BLOCK_D], tl.float32)
+            neg = tl.zeros([BLOCK_D], tl.float32)
+            for j in range(GROUP):
+                if STORE:   # rounded to q's dtype as the stored query is: the same scores as unfused
+                    qv = _rotated(rq_ptr + b * stride_rqb + (h * GROUP + j) * stride_rqh, dims, dim_ok, partner,
+                                  first_half, cos, sin).to(q_ptr.dtype.element_ty).to(tl.float32)
+                else:
+                    qv = tl.load(q_ptr + b * stride_qb + (h * GROUP + j) * stride_qh + dims,
+                                 mask=dim_ok, other=0.0).to(tl.float32)
+                if PER_QUERY:
+                    bound = tl.sum(hi * tl.maximum(qv, 0.0)[None, :] + lo * tl.minimum(qv, 0.0)[None, :], 1)
+                    tl.store(out_row + (h * GROUP + j) * stride_og, tl.where(ok, bound, float("-inf")),
+                             mask=offs < N)
+                else:
+                    pos += tl.maximum(qv, 0.0)
+                    neg += tl.minimum(qv, 0.0)
+            if not PER_QUERY:
+                acc += tl.sum(hi * pos[None, :] + lo * neg[None, :], 1)
+        if not PER_QUERY:
+            tl.store(out_row + r * stride_og, tl.where(ok, acc, float("-inf")), mask=offs < N)
+    else:   # every page of this block is the current page or padding
+        if PDL:
+            gdc_wait()
+        for j in range(GROUP if PER_QUERY else 1):
+            tl.store(out_row + (r * GROUP + j if PER_QUERY else r) * stride_og,
+                     tl.full([BLOCK_P], float("-inf"), tl.float32), mask=offs < N)
     if STORE:
         # The layer's decode RoPE and cache write ride in this launch (rope_store's work, one launch
         # less a layer): the first block's program writes its query heads after RoPE to q (the
         # attention's query), its KV heads' k and v to the request's slot and folds k into its
-        # page's bounds; every program rotates its query heads from the raw q (rq) itself. Nothing
-        # here reads the bounds written: the current page is never a candidate.
+        # page's bounds; every program rotates the query heads it scores with from the raw q (rq)
+        # itself. Nothing here reads the bounds written: the current page is never a candidate.
         if blk == 0:
             _store_token(rq_ptr, k_ptr, v_ptr, q_ptr, ko_ptr, pos_ptr, cs_ptr, slot_ptr, kc_ptr, vc_ptr,
                          kmin_ptr, kmax_ptr, b, r, dims, dim_ok, stride_c,
@@ -227,45 +272,6 @@ def _quest_scores_kernel(q_ptr, kmin_ptr, kmax_ptr, table_ptr, len_ptr, out_ptr,
                          stride_qb, stride_qh, stride_kob, stride_koh, stride_kcs, stride_kch,
                          stride_vcs, stride_vch, stride_ms, stride_mh, stride_xs, stride_xh,
                          GROUP, KV_PER_PROG, P, HEAD_DIM // 2)
-    if blk * BLOCK_P >= current:   # every page of this block is the current page or padding
-        for j in range(GROUP if PER_QUERY else 1):
-            tl.store(out_row + (r * GROUP + j if PER_QUERY else r) * stride_og,
-                     tl.full([BLOCK_P], float("-inf"), tl.float32), mask=offs < N)
-        return
-    ok = offs < current
-    if STORE:
-        first_half, partner, cos, sin = _rope_row(pos_ptr, cs_ptr, b, stride_c, dims, dim_ok, HEAD_DIM // 2)
-    page = tl.load(table_ptr + b * stride_tb + offs, mask=ok, other=0).to(tl.int64)
-    tile_ok = ok[:, None] & dim_ok[None, :]
-    acc = tl.zeros([BLOCK_P], tl.float32)
-    for kh in range(KV_PER_PROG):
-        h = (r * KV_PER_PROG + kh).to(tl.int64)
-        hi = tl.load(kmax_ptr + page[:, None] * stride_xs + h * stride_xh + dims[None, :],
-                     mask=tile_ok, other=0.0).to(tl.float32)
-        lo = tl.load(kmin_ptr + page[:, None] * stride_ms + h * stride_mh + dims[None, :],
-                     mask=tile_ok, other=0.0).to(tl.float32)
-        # max(q hi, q lo) = relu(q) hi + min(q, 0) lo as hi >= lo; a group's sum of these is one
-        # pair of dot products with the group's summed relu(q) and min(q, 0).
-        pos = tl.zeros([BLOCK_D], tl.float32)
-        neg = tl.zeros([BLOCK_D], tl.float32)
-        for j in range(GROUP):
-            if STORE:   # rounded to q's dtype as the stored query is: the same scores as unfused
-                qv = _rotated(rq_ptr + b * stride_rqb + (h * GROUP + j) * stride_rqh, dims, dim_ok, partner,
-                              first_half, cos, sin).to(q_ptr.dtype.element_ty).to(tl.float32)
-            else:
-                qv = tl.load(q_ptr + b * stride_qb + (h * GROUP + j) * stride_qh + dims,
-                             mask=dim_ok, other=0.0).to(tl.float32)
-            if PER_QUERY:
-                bound = tl.sum(hi * tl.maximum(qv, 0.0)[None, :] + lo * tl.minimum(qv, 0.0)[None, :], 1)
-                tl.store(out_row + (h * GROUP + j) * stride_og, tl.where(ok, bound, float("-inf")),
-                         mask=offs < N)
-            else:
-                pos += tl.maximum(qv, 0.0)
-                neg += tl.minimum(qv, 0.0)
-        if not PER_QUERY:
-            acc += tl.sum(hi * pos[None, :] + lo * neg[None, :], 1)
-    if not PER_QUERY:
-        tl.store(out_row + r * stride_og, tl.where(ok, acc, float("-inf")), mask=offs < N)
 
 
 def quest_scores_triton(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, block_tables: torch.Tensor,
@@ -293,6 +299,7 @@ def _scores_launch(q, kmin, kmax, block_tables, cache_lens, page_size, selection
         assert positions.shape == slots.shape == (B,)
         for x in (rq, k, v, k_out, cos_sin, k_cache, v_cache):
             assert x.stride(-1) == 1
+    on = pdl()
     _quest_scores_kernel[grid](
         q, kmin, kmax, block_tables, cache_lens, out,
         q.stride(0), q.stride(1), kmin.stride(0), kmin.stride(1), kmax.stride(0), kmax.stride(1),
@@ -302,8 +309,8 @@ def _scores_launch(q, kmin, kmax, block_tables, cache_lens, page_size, selection
         k_out.stride(0), k_out.stride(1), cos_sin.stride(0), k_cache.stride(0), k_cache.stride(1),
         v_cache.stride(0), v_cache.stride(1),
         GROUP=Hq // Hkv, KV_PER_PROG=Hkv if shared else 1, PER_QUERY=selection == "query_head",
-        P=int(page_size), HEAD_DIM=D, BLOCK_D=pow2(D), BLOCK_P=BLOCK_PAGES, STORE=store is not None,
-        num_warps=SCORE_WARPS)
+        P=int(page_size), HEAD_DIM=D, BLOCK_D=pow2(D), BLOCK_P=BLOCK_PAGES, STORE=store is not None, PDL=on,
+        num_warps=SCORE_WARPS, **({"launch_pdl": True} if on else {}))
     return out
 
 
