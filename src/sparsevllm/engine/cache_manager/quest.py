@@ -11,6 +11,10 @@ and so do prefill and the first `quest_skip_layers` layers (the paper keeps laye
 their attention is not sparse enough for the bound to pick well). Nothing is evicted: Quest saves
 bandwidth, not memory (the metadata costs 2 / (2 P) = 1/P of the raw KV).
 
+How a sparse decode layer runs: store_kv hands back empty q / k buffers and build_decode_view does
+RoPE, the cache write and the page-bound update inside the page-scoring launch (store_and_score), then
+the selection (select_pages): two launches before the attention instead of three.
+
 Where we differ from the official code, and why:
 - GQA: the official kernels (written for multi-head models) select a page set per query head.
   `quest_selection` picks the rows: "kv_head" (default, as METHODS.md fixes it) selects one set
