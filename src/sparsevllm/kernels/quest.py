@@ -385,7 +385,12 @@ def select_pages_ref(scores: torch.Tensor, block_tables: torch.Tensor, cache_len
 def _select_pages_kernel(score_ptr, table_ptr, len_ptr, out_ptr, out_len_ptr,
                          stride_sb, stride_sg, stride_tb, stride_ob, stride_og, N, G,
                          P: tl.constexpr, NUM_PAGES: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_K: tl.constexpr, PACKED: tl.constexpr):
+                         BLOCK_K: tl.constexpr, PACKED: tl.constexpr, PDL: tl.constexpr):
+    # As a programmatic dependent launch (common.pdl) it starts while the scoring kernel drains:
+    # the lengths and the block table are the step's inputs, loaded before gdc_wait; the scores
+    # and every write come after it.
+    if PDL:
+        gdc_launch_dependents()
     b = tl.program_id(0)
     g = tl.program_id(1)
     ctx = tl.load(len_ptr + b)
@@ -394,15 +399,20 @@ def _select_pages_kernel(score_ptr, table_ptr, len_ptr, out_ptr, out_len_ptr,
     firsts = tl.arange(0, BLOCK_K)
     if current < NUM_PAGES:   # at most n pages: the first n entries, the length masks the rest
         page = tl.load(table_ptr + b * stride_tb + firsts, mask=firsts < NUM_PAGES, other=0)
+        if PDL:
+            gdc_wait()
         tl.store(out_row + firsts, page, mask=firsts < NUM_PAGES)
         tl.store(out_len_ptr + b * G + g, ctx)
         return
     offs = tl.arange(0, BLOCK_N)
     in_row = offs < N
-    x = tl.load(score_ptr + b * stride_sb + g * stride_sg + offs, mask=in_row, other=float("-inf"))
     # The pages are written at the end, under the chosen mask; loading them now hides the load's
     # latency behind the search.
     row_pages = tl.load(table_ptr + b * stride_tb + offs, mask=in_row, other=0)
+    last_page = tl.load(table_ptr + b * stride_tb + current)
+    if PDL:
+        gdc_wait()
+    x = tl.load(score_ptr + b * stride_sb + g * stride_sg + offs, mask=in_row, other=float("-inf"))
     # fp32 -> int32 with the same order: negative floats get their magnitude bits flipped.
     bits = x.to(tl.int32, bitcast=True)
     key = bits ^ ((bits >> 31) & 0x7FFFFFFF)
@@ -460,7 +470,7 @@ def _select_pages_kernel(score_ptr, table_ptr, len_ptr, out_ptr, out_len_ptr,
         chosen = above | (tie & (tl.cumsum(tie.to(tl.int32), 0) <= free))
         slot = tl.cumsum(chosen.to(tl.int32), 0) - 1
     tl.store(out_row + slot, row_pages, mask=chosen)
-    tl.store(out_row + k, tl.load(table_ptr + b * stride_tb + current))
+    tl.store(out_row + k, last_page)
     tl.store(out_len_ptr + b * G + g, ctx - (current - k) * P)
 
 
@@ -473,11 +483,13 @@ def select_pages_triton(scores: torch.Tensor, block_tables: torch.Tensor, cache_
     table = torch.empty(B, G, budget_pages, dtype=torch.int32, device=scores.device)
     lengths = torch.empty(B, G, dtype=torch.int32, device=scores.device)
     block_n = pow2(N)
+    on = pdl()
     _select_pages_kernel[(B, G)](
         scores, block_tables, cache_lens.to(torch.int32), table, lengths,
         scores.stride(0), scores.stride(1), block_tables.stride(0), table.stride(0), table.stride(1), N, G,
         P=int(page_size), NUM_PAGES=int(budget_pages), BLOCK_N=block_n, BLOCK_K=pow2(budget_pages),
-        PACKED=N < PACKED_MAX_PAGES, num_warps=max(4, min(8, block_n // 1024)))   # 8 measured best at N = 8K
+        PACKED=N < PACKED_MAX_PAGES, PDL=on, num_warps=max(4, min(8, block_n // 1024)),   # 8 measured best at N = 8K
+        **({"launch_pdl": True} if on else {}))
     return table, lengths
 
 
