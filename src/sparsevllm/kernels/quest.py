@@ -138,21 +138,22 @@ def quest_scores_ref(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, bl
 
 @jit
 def _rope_row(pos_ptr, cs_ptr, b, stride_c, dims, dim_ok, HALF: tl.constexpr):
-    """Request b's token's cos / sin per channel, and each channel's rotation partner."""
+    """Request b's token's cos and signed sin per channel (-sin on the first half), and each
+    channel's rotation partner (the same channel of the other half)."""
     position = tl.load(pos_ptr + b).to(tl.int64)
     cos = tl.load(cs_ptr + position * stride_c + dims % HALF, mask=dim_ok, other=0.0).to(tl.float32)
     sin = tl.load(cs_ptr + position * stride_c + HALF + dims % HALF, mask=dim_ok, other=0.0).to(tl.float32)
     first_half = dims < HALF
-    return first_half, tl.where(first_half, dims + HALF, dims - HALF), cos, sin
+    return tl.where(first_half, dims + HALF, dims - HALF), cos, tl.where(first_half, -sin, sin)
 
 
 @jit
-def _rotated(x_ptr, dims, dim_ok, partner, first_half, cos, sin):
-    """One head's vector rotated to its position with rope_store's two fmas (fp32): the first half
-    x1 cos - x2 sin, the second x2 cos + x1 sin, x1 / x2 the halves."""
+def _rotated(x_ptr, dims, dim_ok, partner, cos, signed_sin):
+    """One head's vector rotated to its position (fp32) with rope_store's fmas: x cos + partner
+    (-sin | sin), the product with sin rounded, the one with cos fused."""
     x = tl.load(x_ptr + dims, mask=dim_ok, other=0.0).to(tl.float32)
     xs = tl.load(x_ptr + partner, mask=dim_ok, other=0.0).to(tl.float32)
-    return tl.where(first_half, tl.fma(x, cos, -(xs * sin)), tl.fma(xs, sin, x * cos))
+    return tl.fma(x, cos, xs * signed_sin)
 
 
 @jit
@@ -165,7 +166,7 @@ def _store_token(rq_ptr, k_ptr, v_ptr, qo_ptr, ko_ptr, pos_ptr, cs_ptr, slot_ptr
     """rope_store's work for request b's token and KV heads r * KV_PER_PROG .. + KV_PER_PROG: the
     rotated query heads of their groups to qo, rotated k to ko, k and v to the token's slot (-1:
     nowhere) and k folded into its page's bounds (reset by the page's first slot)."""
-    first_half, partner, cos, sin = _rope_row(pos_ptr, cs_ptr, b, stride_c, dims, dim_ok, HALF)
+    partner, cos, signed_sin = _rope_row(pos_ptr, cs_ptr, b, stride_c, dims, dim_ok, HALF)
     slot = tl.load(slot_ptr + b).to(tl.int64)   # int64: slot * stride overflows int32 on big pools
     page = slot // P
     first = slot % P == 0
@@ -173,9 +174,9 @@ def _store_token(rq_ptr, k_ptr, v_ptr, qo_ptr, ko_ptr, pos_ptr, cs_ptr, slot_ptr
         h = (r * KV_PER_PROG + kh).to(tl.int64)
         for j in range(GROUP):
             qh = h * GROUP + j
-            qr = _rotated(rq_ptr + b * stride_rqb + qh * stride_rqh, dims, dim_ok, partner, first_half, cos, sin)
+            qr = _rotated(rq_ptr + b * stride_rqb + qh * stride_rqh, dims, dim_ok, partner, cos, signed_sin)
             tl.store(qo_ptr + b * stride_qob + qh * stride_qoh + dims, qr.to(qo_ptr.dtype.element_ty), mask=dim_ok)
-        kr = _rotated(k_ptr + b * stride_kb + h * stride_kh, dims, dim_ok, partner, first_half, cos, sin)
+        kr = _rotated(k_ptr + b * stride_kb + h * stride_kh, dims, dim_ok, partner, cos, signed_sin)
         tl.store(ko_ptr + b * stride_kob + h * stride_koh + dims, kr.to(ko_ptr.dtype.element_ty), mask=dim_ok)
         if slot >= 0:
             kc = kr.to(kc_ptr.dtype.element_ty)
@@ -219,7 +220,7 @@ def _quest_scores_kernel(q_ptr, kmin_ptr, kmax_ptr, table_ptr, len_ptr, out_ptr,
     if blk * BLOCK_P < current:
         ok = offs < current
         if STORE:
-            first_half, partner, cos, sin = _rope_row(pos_ptr, cs_ptr, b, stride_c, dims, dim_ok, HEAD_DIM // 2)
+            partner, cos, signed_sin = _rope_row(pos_ptr, cs_ptr, b, stride_c, dims, dim_ok, HEAD_DIM // 2)
         page = tl.load(table_ptr + b * stride_tb + offs, mask=ok, other=0).to(tl.int64)
         tile_ok = ok[:, None] & dim_ok[None, :]
         acc = tl.zeros([BLOCK_P], tl.float32)
@@ -238,7 +239,7 @@ def _quest_scores_kernel(q_ptr, kmin_ptr, kmax_ptr, table_ptr, len_ptr, out_ptr,
             for j in range(GROUP):
                 if STORE:   # rounded to q's dtype as the stored query is: the same scores as unfused
                     qv = _rotated(rq_ptr + b * stride_rqb + (h * GROUP + j) * stride_rqh, dims, dim_ok, partner,
-                                  first_half, cos, sin).to(q_ptr.dtype.element_ty).to(tl.float32)
+                                  cos, signed_sin).to(q_ptr.dtype.element_ty).to(tl.float32)
                 else:
                     qv = tl.load(q_ptr + b * stride_qb + (h * GROUP + j) * stride_qh + dims,
                                  mask=dim_ok, other=0.0).to(tl.float32)

@@ -50,9 +50,9 @@ def _rotate_halves(x_ptr, t, stride_t, stride_h, cos, sin,
     src = x_ptr + t * stride_t + heads * stride_h + cols
     x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
-    # Explicit fmas (the ones ptxas formed from the plain products anyway): the Quest scoring kernel
+    # Explicit fmas, the product with sin rounded and the one with cos fused: the Quest scoring kernel
     # rotates with the same two, so its stored q and k equal these bit for bit.
-    return tl.fma(x1, cos, -(x2 * sin)), tl.fma(x1, sin, x2 * cos), heads, cols, mask
+    return tl.fma(x1, cos, -(x2 * sin)), tl.fma(x2, cos, x1 * sin), heads, cols, mask
 
 
 @jit
