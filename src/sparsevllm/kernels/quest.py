@@ -244,14 +244,15 @@ def _quest_scores_kernel(q_ptr, kmin_ptr, kmax_ptr, table_ptr, len_ptr, out_ptr,
                     qv = tl.load(q_ptr + b * stride_qb + (h * GROUP + j) * stride_qh + dims,
                                  mask=dim_ok, other=0.0).to(tl.float32)
                 if PER_QUERY:
-                    bound = tl.sum(hi * tl.maximum(qv, 0.0)[None, :] + lo * tl.minimum(qv, 0.0)[None, :], 1)
+                    bound = tl.sum(tl.fma(hi, tl.maximum(qv, 0.0)[None, :], lo * tl.minimum(qv, 0.0)[None, :]), 1)
                     tl.store(out_row + (h * GROUP + j) * stride_og, tl.where(ok, bound, float("-inf")),
                              mask=offs < N)
                 else:
                     pos += tl.maximum(qv, 0.0)
                     neg += tl.minimum(qv, 0.0)
             if not PER_QUERY:
-                acc += tl.sum(hi * pos[None, :] + lo * neg[None, :], 1)
+                # explicit fma: the same bits from every build of this kernel (with or without the store)
+                acc += tl.sum(tl.fma(hi, pos[None, :], lo * neg[None, :]), 1)
         if not PER_QUERY:
             tl.store(out_row + r * stride_og, tl.where(ok, acc, float("-inf")), mask=offs < N)
     else:   # every page of this block is the current page or padding
