@@ -34,7 +34,7 @@ layer, with one.
 import torch
 
 from sparsevllm.kernels.common import gdc_launch_dependents, gdc_wait, jit, pdl, pow2, tl, use_triton
-from sparsevllm.kernels.rope_store import rope_store_ref
+from sparsevllm.kernels.rope_store import fold_bounds, rope_store_ref
 
 BLOCK_PAGES = 32   # pages per scoring program: a [32, 128] fp32 tile per min/max fits in registers
 SCORE_WARPS = 4    # H200, 4 x 8K pages x 8 heads: 33-35 us for 16-64 pages and 2-8 warps alike
@@ -183,15 +183,8 @@ def _store_token(rq_ptr, k_ptr, v_ptr, qo_ptr, ko_ptr, pos_ptr, cs_ptr, slot_ptr
             tl.store(kc_ptr + slot * stride_kcs + h * stride_kch + dims, kc, mask=dim_ok)
             v = tl.load(v_ptr + b * stride_vb + h * stride_vh + dims, mask=dim_ok, other=0.0)
             tl.store(vc_ptr + slot * stride_vcs + h * stride_vch + dims, v.to(vc_ptr.dtype.element_ty), mask=dim_ok)
-            kb = kc.to(kmin_ptr.dtype.element_ty)
-            mn = kmin_ptr + page * stride_ms + h * stride_mh + dims
-            mx = kmax_ptr + page * stride_xs + h * stride_xh + dims
-            if first:
-                tl.store(mn, kb, mask=dim_ok)
-                tl.store(mx, kb, mask=dim_ok)
-            else:
-                tl.store(mn, tl.minimum(tl.load(mn, mask=dim_ok, other=0.0), kb), mask=dim_ok)
-                tl.store(mx, tl.maximum(tl.load(mx, mask=dim_ok, other=0.0), kb), mask=dim_ok)
+            fold_bounds(kmin_ptr + page * stride_ms + h * stride_mh + dims, kmax_ptr + page * stride_xs + h * stride_xh
+                        + dims, kc.to(kmin_ptr.dtype.element_ty), first, dim_ok)
 
 
 @jit
