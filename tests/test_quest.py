@@ -257,6 +257,17 @@ def test_quest_knobs_are_validated():
         make_config(None, "vanilla", quest_token_budget=512)
 
 
+def test_skip_layers_past_the_model_fail_before_weights_load(tiny_model, monkeypatch):
+    from sparsevllm.engine import model_runner
+
+    def no_load(*a, **k):
+        raise AssertionError("weights started loading")
+    monkeypatch.setattr(model_runner, "load_weights", no_load)
+    path = tiny_model("llama")
+    with pytest.raises(ValueError, match=r"quest_skip_layers=3 is out of range .* 2 layers; valid: .*\[0, 2\]"):
+        LLM(path, vllm_sparse_method="quest", quest_skip_layers=3, device="cpu")
+
+
 def test_select_pages_dense_rows_and_lengths():
     # Row 0: 6 pages > n = 3 -> top 2 of pages 0..4 by score, then the current page 5.
     # Row 1: 3 pages <= n -> dense. Scores past a row's candidates are -inf as the kernels write them.

@@ -44,6 +44,7 @@ from sparsevllm.engine.staging import to_device
 from sparsevllm.engine.step import DecodeView, StepState
 from sparsevllm.kernels.quest import SELECTIONS, page_minmax, quest_scores, select_pages, store_and_score
 from sparsevllm.kernels.rope_store import rope_store
+from sparsevllm.models.config import ModelConfig
 
 # A scoring layer's decode store (RoPE, the cache write, the page bounds) runs inside the page-scoring
 # launch instead of a launch of its own; SPARSEVLLM_QUEST_FUSED_STORE=0 keeps the separate launch (A/B).
@@ -93,7 +94,7 @@ class QuestCacheManager(CacheManager):
                  num_pages: int, dtype: torch.dtype, device: torch.device):
         super().__init__(config, num_layers, num_kv_heads, head_dim, num_pages, dtype, device)
         knobs = self.method_config
-        self.skip_layers = min(knobs.quest_skip_layers, num_layers)
+        self.skip_layers = knobs.quest_skip_layers
         self.budget_pages = max(3, knobs.quest_token_budget // self.page_size)
         self.selection = knobs.quest_selection
         # Indexed [layer, physical page, KV head, channel]; min/max of stored values are exact in
@@ -105,8 +106,15 @@ class QuestCacheManager(CacheManager):
         self._pending_store = None   # a scoring layer's decode store, from store_kv to build_decode_view
 
     @classmethod
+    def validate_model(cls, config: EngineConfig, model_config: ModelConfig) -> None:
+        s, num_layers = config.method_config.quest_skip_layers, model_config.num_hidden_layers
+        if s > num_layers:
+            raise ValueError(f"quest_skip_layers={s} is out of range for a model of {num_layers} layers; "
+                             f"valid: an integer in [0, {num_layers}] ({num_layers}: every layer dense)")
+
+    @classmethod
     def bytes_per_page(cls, config: EngineConfig, num_layers, num_kv_heads, head_dim, dtype) -> int:
-        sparse_layers = max(0, num_layers - config.method_config.quest_skip_layers)
+        sparse_layers = num_layers - config.method_config.quest_skip_layers
         meta = 2 * sparse_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
         return super().bytes_per_page(config, num_layers, num_kv_heads, head_dim, dtype) + meta
 
@@ -115,7 +123,7 @@ class QuestCacheManager(CacheManager):
         """The first quest_skip_layers layers read everything; the others read the page bounds (a min
         and a max key per page: cache_len / P token-equivalents of K + V) plus the budget."""
         knobs = config.method_config
-        skip = min(knobs.quest_skip_layers, num_layers)
+        skip = knobs.quest_skip_layers
         budget = max(3, knobs.quest_token_budget // config.page_size) * config.page_size
         sparse = min(budget, cache_len) + cache_len / config.page_size
         return (skip * cache_len + (num_layers - skip) * sparse) / num_layers
