@@ -418,7 +418,11 @@ def _select_pages_kernel(score_ptr, table_ptr, len_ptr, out_ptr, out_len_ptr,
     # 2^22 and 2^23 keys below the row's max, then 2^24 and 2^25, ... (a binade is 2^23 keys for
     # either sign, so this brackets t in a few binades of the max), once t is bracketed the thirds
     # of [lo, hi). On 8,000 Gaussian scores (k = 127) that is 7.6 passes on average against 18.7
-    # for the bit-by-bit search this replaced (a CPU count of the passes: the data decide them).
+    # for the bit-by-bit search this replaced, and 8.0 against 16.4 on the real page scores of
+    # SmolLM2-135M (5,796 rows: prose, code and a passkey prompt of ~7K tokens, every decode step
+    # and sparse layer). The data decide the count (a CPU count of the passes). Starting from the
+    # previous step's threshold instead of the max saves about one pass: it moves 11% (median)
+    # from step to step on those rows.
     k = NUM_PAGES - 1
     top = tl.max(key, 0).to(tl.int64) + 1
     lo = tl.full((), -2147483648, tl.int64)   # int64 scalars: the cut points' arithmetic must not wrap
