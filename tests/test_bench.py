@@ -264,8 +264,13 @@ def test_kernel_benchmark_smoke_run_covers_decode_rope_store_and_the_skinny_gemm
     assert [(r["N"], r["K"], r["rows"]) for r in gemm] == [(64, 96, 1), (64, 96, 3)]
     assert all(r["f_linear_us"] > 0 and r["triton_us"] > 0 and {"f_linear_gbps", "triton_gbps"} <= set(r)
                for r in gemm)
+    norms = report["layer_norms"]
+    assert [r["rows"] for r in norms] == [1, 3]
+    assert all(r["norm_launches_ms"] > 0 and r["norms_in_epilogues_ms"] > 0 for r in norms)
     (up,) = report["deltakv_up"]
     assert up["gather_f_linear_us"] > 0 and up["triton_us"] > 0
+    (quest_store,) = report["quest_store"]
+    assert quest_store["two_launches_us"] > 0 and quest_store["one_launch_us"] > 0
     assert report["prefill"]
 
 

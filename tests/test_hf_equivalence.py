@@ -61,3 +61,28 @@ def test_sharded_checkpoint_loads_like_a_single_file(tmp_path):
     assert os.path.exists(os.path.join(path, "model.safetensors.index.json"))
     sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     assert LLM(path).generate(PROMPTS[0], sp, use_tqdm=False)[0].outputs[0].token_ids == hf_greedy(path, PROMPTS[0], 8)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_decode_gemms_with_the_norm_in_their_epilogues_match_transformers(tiny_model, arch, monkeypatch):
+    """On a GPU, decode steps over wide weights run o_proj / down_proj with the residual add and the
+    next RMSNorm (but its 1 / rms) in the GEMM's epilogue and qkv / gate_up with the rows' 1 / rms
+    in theirs (RowParallelLinear.add_norm). Forced here for every step of at most 16 rows, through
+    Triton's interpreter: still Hugging Face's greedy tokens (fp32)."""
+    from sparsevllm.kernels import skinny_gemm
+    from sparsevllm.layers import parallel_linear
+    decode_sized = lambda x, w: x.numel() <= skinny_gemm.MAX_ROWS * w.shape[1]   # noqa: E731
+    monkeypatch.setattr(skinny_gemm, "takes", decode_sized)
+    monkeypatch.setattr(parallel_linear, "takes", decode_sized)
+    monkeypatch.setattr(skinny_gemm, "num_sms", lambda device: 3)   # a few programs a launch, partial sums from each
+    calls = []
+    add_norm = parallel_linear.skinny_add_norm_triton
+    monkeypatch.setattr(parallel_linear, "skinny_add_norm_triton", lambda *a: calls.append(1) or add_norm(*a))
+    path = tiny_model(arch)
+    llm = LLM(path, page_size=4)
+    sp = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[3]]
+    outs = llm.generate(prompts, sp, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(path, p, 6) for p in prompts]
+    assert calls, "the fused path never ran"
+    assert llm.engine.cache_manager.allocator.is_idle()

@@ -267,6 +267,48 @@ def test_skinny_silu_mul_triton_matches_reference(dtype, rows, sms, poison, monk
     close(skinny_gemm.linear_silu_mul(x, w), got, dtype)     # CPU tensors: the unfused path, same values
 
 
+@interp
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("rows", [1, 5, 16])
+@pytest.mark.parametrize("sms", [132, 3, 1])
+def test_skinny_add_norm_then_row_norm_equals_add_rmsnorm_linear(dtype, rows, sms, poison, monkeypatch):
+    """o_proj with the residual add and the RMSNorm (all but 1 / rms) in its epilogue, then qkv /
+    gate_up scaling their rows by 1 / rms from o_proj's per-program sums of squares: the same as
+    o_proj, add + RMSNorm, qkv / gate_up as three launches. sms gives 1, 3 and many programs' sums."""
+    monkeypatch.setattr(skinny_gemm, "num_sms", lambda device: sms)
+    g = torch.Generator().manual_seed(30 + rows)
+    H = 300                                                   # the normed width: o_proj's N, qkv's K
+    x = torch.randn(1, rows, 200, generator=g).to(dtype)      # attention output
+    w_o = (torch.randn(H, 200, generator=g) * 0.05).to(dtype)
+    res = torch.randn(1, rows, H, generator=g).to(dtype)
+    w_norm = (torch.rand(H, generator=g) + 0.5).to(dtype)
+    w_qkv = (torch.randn(100, H, generator=g) * 0.05).to(dtype)
+    bias = torch.randn(100, generator=g).to(dtype)
+    w_gu = (torch.randn(180, H, generator=g) * 0.05).to(dtype)
+    eps = 1e-5
+
+    xw, r, parts = skinny_gemm.skinny_add_norm_triton(x, w_o, res, w_norm)
+    xw_ref, r_ref, parts_ref = skinny_gemm.skinny_add_norm_ref(x, w_o, res, w_norm)
+    assert xw.shape == r.shape == (1, rows, H) and parts.shape[1] == skinny_gemm.MAX_ROWS
+    close(r, r_ref, dtype)
+    close(xw, xw_ref, dtype)
+    close(parts.sum(0), parts_ref.sum(0), dtype)
+    assert not parts.sum(0)[rows:].any()                      # rows past M add nothing
+
+    normed, r_plain = rmsnorm.rms_norm_ref(skinny_gemm.skinny_linear_triton(x, w_o), w_norm, eps, res)
+    assert torch.equal(r, r_plain)                            # the residual stream: two launches' bits
+    row_norm = (parts, eps)
+    close(skinny_gemm.skinny_linear_triton(xw, w_qkv, bias, row_norm),
+          skinny_gemm.skinny_linear_ref(normed.float(), w_qkv.float(), bias.float()), dtype)
+    close(skinny_gemm.skinny_silu_mul_triton(xw, w_gu, row_norm),
+          skinny_gemm.skinny_silu_mul_ref(normed.float(), w_gu.float()), dtype)
+    # the references of the fused pair agree with the triton pair (CPU dispatch: linear -> reference)
+    close(skinny_gemm.linear(xw_ref, w_qkv, bias, (parts_ref, eps)),
+          skinny_gemm.skinny_linear_triton(xw, w_qkv, bias, row_norm), dtype)
+    close(skinny_gemm.linear_silu_mul(xw_ref, w_gu, (parts_ref, eps)),
+          skinny_gemm.skinny_silu_mul_triton(xw, w_gu, row_norm), dtype)
+
+
 def test_linear_routes_only_decode_sized_steps_over_wide_weights():
     w = torch.empty(4096, 4096, dtype=torch.bfloat16)
     x = torch.empty(4, 4096, dtype=torch.bfloat16)
@@ -461,6 +503,65 @@ def test_gpu_decoder_gemms_launched_back_to_back_under_a_graph_match_eager_and_t
                      lambda x, wt: skinny_gemm.skinny_silu_mul_ref(x, wt.float()), layers=1)
         got = block(h, *fused, layers=1).float()
         assert (got - want).norm() / want.norm() < 1e-2
+
+
+@gpu
+def test_gpu_decoder_gemms_with_the_norms_in_their_epilogues_under_a_graph_bf16():
+    """Llama-3.1-8B layers as RowParallelLinear.add_norm runs them on decode steps: o_proj / down
+    add the residual and apply the next norm but its 1 / rms, qkv / gate_up scale their rows by it
+    (from the producer's per-program sums of squares, read after gdc_wait). A graph replays eager's
+    bits; it matches the three-launch block (norm, GEMM, GEMM) and the fp32 reference."""
+    g = torch.Generator().manual_seed(17)
+    bf = torch.bfloat16
+    w = {name: (torch.randn(n, k, generator=g) * 0.02).cuda().to(bf)
+         for name, n, k in (("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336))}
+    g1, g2 = ((torch.rand(4096, generator=g) + 0.5).cuda().to(bf) for _ in range(2))
+    eps = 1e-5
+
+    def fused(h, layers=3):
+        res, row = h, None
+        x = rmsnorm.rms_norm(h, g1, eps)
+        for _ in range(layers):
+            a = skinny_gemm.linear(x, w["qkv"], None, row)[:, :4096]
+            x, res, parts = skinny_gemm.skinny_add_norm_triton(a, w["o"], res, g2)
+            m = skinny_gemm.linear_silu_mul(x, w["gate_up"], (parts, eps))
+            x, res, parts = skinny_gemm.skinny_add_norm_triton(m, w["down"], res, g1)
+            row = (parts, eps)
+        return x, res, row
+
+    def plain(h, layers=3):
+        res = h
+        x = rmsnorm.rms_norm(h, g1, eps)
+        for _ in range(layers):
+            a = skinny_gemm.linear(x, w["qkv"])[:, :4096]
+            x, res = rmsnorm.rms_norm(skinny_gemm.linear(a, w["o"]), g2, eps, res)
+            x, res = rmsnorm.rms_norm(skinny_gemm.linear(skinny_gemm.linear_silu_mul(x, w["gate_up"]), w["down"]), g1, eps, res)
+        return x, res
+
+    for rows in (1, 4, 16):
+        h = torch.randn(rows, 4096, generator=g).cuda().to(bf)
+        assert skinny_gemm.takes(h, w["o"]) and skinny_gemm.takes(h, w["qkv"])
+        x, res, row = fused(h)
+        static = h.clone()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = fused(static)
+        for _ in range(3):
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(out[0], x) and torch.equal(out[1], res) and torch.equal(out[2][0], row[0])
+        # the next layer's normed input: w_norm * r scaled by 1 / rms, against the plain launches
+        got = (x.float() * skinny_gemm.rstd_of(row, rows, 4096)).to(bf)
+        want, want_res = plain(h)
+        assert (res.float() - want_res.float()).norm() / want_res.float().norm() < 1e-2
+        assert (got.float() - want.float()).norm() / want.float().norm() < 1e-2
+        one, _, row1 = fused(h, layers=1)
+        a = skinny_gemm.skinny_linear_ref(rmsnorm.rms_norm_ref(h.float(), g1.float(), eps), w["qkv"].float())[:, :4096]
+        ref, ref_res = rmsnorm.rms_norm_ref(skinny_gemm.skinny_linear_ref(a, w["o"].float()), g2.float(), eps, h.float())
+        m = skinny_gemm.skinny_silu_mul_ref(ref, w["gate_up"].float())
+        ref, _ = rmsnorm.rms_norm_ref(skinny_gemm.skinny_linear_ref(m, w["down"].float()), g1.float(), eps, ref_res)
+        got1 = one.float() * skinny_gemm.rstd_of(row1, rows, 4096)
+        assert (got1 - ref).norm() / ref.norm() < 1e-2
 
 
 @gpu

@@ -178,6 +178,32 @@ def test_quest_selection_equals_oracle_and_is_causal(tiny_model, arch, selection
     assert token_ids(outs)[0] != want[0]
 
 
+@pytest.mark.skipif(CUDA, reason="interpreter test: runs on CPU-only machines")
+@pytest.mark.parametrize("arch,selection", [("llama", "kv_head"), ("qwen2", "shared")])
+def test_quest_store_inside_the_scoring_launch_gives_the_separate_stores_tokens(tiny_model, arch, selection,
+                                                                               monkeypatch):
+    """With the scoring layers' decode store run by the Triton scoring kernel (interpreter), the
+    engine produces the tokens of the separate rope_store launch, graph-shaped tables included."""
+    from sparsevllm.engine.cache_manager import quest as quest_cm
+    path = tiny_model(arch)
+    ps = prompts([90, 21, 57], seed=5)
+    knobs = dict(page_size=4, quest_token_budget=24, quest_skip_layers=1, quest_selection=selection,
+                 chunk_prefill_size=40)
+    monkeypatch.setattr(quest_cm, "FUSED_STORE", False)
+    want = token_ids(graph_shaped(quest(path, **knobs)).generate(ps, GREEDY, use_tqdm=False))
+    monkeypatch.setattr(quest_cm, "FUSED_STORE", True)
+    calls = []
+
+    def fused(*args):
+        calls.append(args[0].shape[0])
+        return qk.store_and_score_triton(*args)
+    monkeypatch.setattr(quest_cm, "store_and_score", fused)
+    llm = graph_shaped(quest(path, **knobs))
+    assert token_ids(llm.generate(ps, GREEDY, use_tqdm=False)) == want
+    assert len(calls) >= GREEDY.max_tokens - 1 and max(calls) == 3   # a call a decode step and sparse layer
+    assert llm.engine.cache_manager.allocator.is_idle()
+
+
 def test_quest_metadata_matches_pool_after_chunked_prefill_prefix_hits_and_decode(tiny_model):
     path = tiny_model("llama")
     llm = quest(path, page_size=8, quest_token_budget=32, quest_skip_layers=1, chunk_prefill_size=24,
@@ -321,6 +347,64 @@ def test_quest_scores_triton_matches_reference(P, selection, dtype, head_major):
     torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-4)
 
 
+def store_case(g, B, Hq, Hkv, D, P, N, dtype, device):
+    """A decode step's inputs: q, k, v before RoPE, each request's new token in its current page
+    (request 1 at the page's first slot, request 2 within its first page, the last one padding),
+    a pool and stale page bounds, and empty q / k outputs."""
+    num_pages = B * N + 3
+    ctx = torch.randint(P + 2, N * P + 1, (B,), generator=g)
+    ctx[1], ctx[2] = 5 * P + 1, min(3, P)
+    bt = torch.randperm(num_pages, generator=g)[:B * N].view(B, N).int()
+    current = (ctx - 1) // P
+    slots = bt[torch.arange(B), current].long() * P + (ctx - 1) % P
+    slots[-1] = -1
+    q, k, v = (torch.randn(B, h, D, generator=g).to(dtype) for h in (Hq, Hkv, Hkv))
+    cos_sin = torch.randn(N * P, D, generator=g)
+    k_cache, v_cache = (torch.randn(num_pages * P, Hkv, D, generator=g).to(dtype) for _ in range(2))
+    kmin = torch.randn(num_pages, Hkv, D, generator=g)
+    kmax = kmin + torch.rand(num_pages, Hkv, D, generator=g)
+    args = [q, k, v, ctx - 1, cos_sin, k_cache, v_cache, slots, kmin.to(dtype), kmax.to(dtype), bt, ctx.int()]
+    return [x.to(device) for x in args]
+
+
+def run_store(fn, args, P, selection):
+    """fn's scores and every tensor it writes (q / k after RoPE, the pool, the bounds), on copies."""
+    args = [a.clone() for a in args]
+    q_out, k_out = torch.empty_like(args[0]), torch.empty_like(args[1])
+    scores = fn(*args, P, selection, q_out, k_out)
+    return [scores, q_out, k_out] + args[5:7] + args[8:10]
+
+
+def unfused(q, k, v, pos, cos_sin, kc, vc, slots, kmin, kmax, bt, ctx, P, selection, q_out, k_out):
+    from sparsevllm.kernels.rope_store import rope_store_triton
+    q_rot, k_rot = rope_store_triton(q, k, v, pos, cos_sin, kc, vc, slots, kmin, kmax, P)
+    q_out.copy_(q_rot)
+    k_out.copy_(k_rot)
+    return qk.quest_scores_triton(q_out, kmin, kmax, bt, ctx, P, selection)
+
+
+@interp
+@pytest.mark.parametrize("selection", qk.SELECTIONS)
+@pytest.mark.parametrize("P,dtype", [(16, torch.float32), (4, torch.float16), (1, torch.float32)])
+def test_store_and_score_triton_equals_rope_store_then_scores(selection, P, dtype):
+    """The decode store inside the scoring launch writes what rope_store writes (q and k after RoPE,
+    the pool slots, padding nowhere, the page bounds, a page's first slot resetting them) and gives
+    the scores quest_scores gives on the rotated query: bit for bit against the two launches, and
+    against the reference."""
+    g = torch.Generator().manual_seed(P + len(selection))
+    args = store_case(g, 4, 6, 2, 24, P, {1: 70, 4: 40, 16: 9}[P], dtype, "cpu")   # 70 pages: 3 blocks
+    fused = run_store(qk.store_and_score_triton, args, P, selection)
+    two = run_store(unfused, args, P, selection)
+    ref = run_store(qk.store_and_score_ref, args, P, selection)
+    for name, a, b, c in zip(["scores", "q", "k", "k_cache", "v_cache", "kmin", "kmax"], fused, two, ref):
+        assert torch.equal(a, b), name
+        assert torch.equal(a.isinf(), c.isinf()), name
+        torch.testing.assert_close(a, c, atol=1e-3 if dtype == torch.float32 else 2e-2, rtol=1e-3), name
+    k_cache, slots = fused[3], args[7]
+    assert not torch.equal(k_cache, args[5]) and torch.equal(k_cache[slots[slots >= 0]], fused[2][slots >= 0])
+    assert torch.equal(fused[4][slots[slots >= 0]], args[2][slots >= 0])
+
+
 def select_case(g, B, G, N, P, device):
     """Random scores (some negative) with -inf at and past each row's current page."""
     scores = torch.randn(B, G, N, generator=g) * 4
@@ -333,7 +417,7 @@ def select_case(g, B, G, N, P, device):
 
 
 @interp
-@pytest.mark.parametrize("B,G,N,P,n", [(3, 2, 40, 4, 5), (4, 8, 300, 16, 128), (2, 1, 17, 1, 3)])
+@pytest.mark.parametrize("B,G,N,P,n", [(3, 2, 40, 4, 5), (4, 8, 300, 16, 128), (2, 1, 17, 1, 3), (2, 3, 8016, 16, 128)])
 def test_select_pages_triton_matches_reference(B, G, N, P, n):
     args = select_case(torch.Generator().manual_seed(N), B, G, N, P, "cpu")
     got, want = qk.select_pages_triton(*args, P, n), qk.select_pages_ref(*args, P, n)
@@ -341,13 +425,15 @@ def test_select_pages_triton_matches_reference(B, G, N, P, n):
 
 
 @interp
-@pytest.mark.parametrize("kind", ["distinct", "ties_at_threshold", "few_values", "negative", "tiny_gaps"])
+@pytest.mark.parametrize("kind", ["distinct", "ties_at_threshold", "few_values", "negative", "tiny_gaps",
+                                  "wide_range", "constant"])
 @pytest.mark.parametrize("packed", [True, False])
 def test_select_pages_triton_stops_early_only_when_exact(kind, packed, monkeypatch):
     """The threshold search stops once exactly k keys reach it; every kind of score row gives the
-    top k by (score, then page order), whether it stops early (distinct scores) or runs all 32
-    passes (a tie across the k-th place); with the slots from one packed scan or from two scans
-    (tables of PACKED_MAX_PAGES pages or more)."""
+    top k by (score, then page order), whether it stops early (distinct scores) or narrows down to
+    one key (a tie across the k-th place), whether the threshold lies within a binade of the row's
+    max or many below it (wide_range: magnitudes 1e-30 .. 1e30 of both signs); with the counts and
+    slots packed or not (tables of PACKED_MAX_PAGES pages or more)."""
     if not packed:
         monkeypatch.setattr(qk, "PACKED_MAX_PAGES", 0)
     g = torch.Generator().manual_seed(len(kind))
@@ -359,7 +445,9 @@ def test_select_pages_triton_stops_early_only_when_exact(kind, packed, monkeypat
             "ties_at_threshold": torch.randint(0, 4, (B, G, N), generator=g).float(),
             "few_values": torch.randint(0, 2, (B, G, N), generator=g).float() * 2.5,
             "negative": -torch.rand(B, G, N, generator=g) - 1e-3,
-            "tiny_gaps": 1.0 + torch.randint(0, 64, (B, G, N), generator=g).float() * 2 ** -23}[kind]
+            "tiny_gaps": 1.0 + torch.randint(0, 64, (B, G, N), generator=g).float() * 2 ** -23,
+            "wide_range": torch.randn(B, G, N, generator=g).sign() * 10 ** (torch.rand(B, G, N, generator=g) * 60 - 30),
+            "constant": torch.full((B, G, N), -3.5)}[kind]
     scores = base.masked_fill(torch.arange(N).view(1, 1, N) >= current.view(B, 1, 1), float("-inf"))
     table, lengths = qk.select_pages_triton(scores, bt, ctx, P, n)
     for b in range(B):
@@ -393,6 +481,38 @@ def test_gpu_quest_kernels_match_references_bf16(selection):
         args = select_case(g, B, G, N, 16, "cuda")
         got, want = qk.select_pages(*args, 16, n), qk.select_pages_ref(*args, 16, n)
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+@gpu
+@pytest.mark.parametrize("selection", qk.SELECTIONS)
+def test_gpu_store_inside_the_scoring_launch_equals_rope_store_then_scores_bf16(selection):
+    """At Llama-3.1-8B head shapes (the benchmark's 8,016-page tables among them) the store inside
+    the scoring launch writes rope_store's bits (same two fmas) and gives quest_scores' scores."""
+    g = torch.Generator().manual_seed(5 + len(selection))
+    for B, N in [(4, 8016), (5, 300), (33, 64)]:
+        args = store_case(g, B, 32, 8, 128, 16, N, torch.bfloat16, "cuda")
+        fused = run_store(qk.store_and_score_triton, args, 16, selection)
+        two = run_store(unfused, args, 16, selection)
+        for name, a, b in zip(["scores", "q", "k", "k_cache", "v_cache", "kmin", "kmax"], fused, two):
+            assert torch.equal(a, b), (B, N, name)
+
+
+@gpu
+def test_gpu_quest_fused_store_gives_the_separate_stores_tokens_under_graphs(tiny_model, monkeypatch):
+    from sparsevllm.engine.cache_manager import quest as quest_cm
+    path = tiny_model("llama")
+    knobs = dict(vllm_sparse_method="quest", device="cuda", dtype="float32", max_num_seqs=8, page_size=4,
+                 quest_token_budget=24, quest_skip_layers=1)
+    sp = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    ps = prompts([40 + 23 * i for i in range(5)], seed=9)
+    outs = {}
+    for fused in (False, True):
+        monkeypatch.setattr(quest_cm, "FUSED_STORE", fused)
+        llm = LLM(path, **knobs)
+        assert llm.execution_mode == "cuda_graph"
+        outs[fused] = token_ids(llm.generate(ps, sp, use_tqdm=False))
+        assert llm.engine.cache_manager.allocator.is_idle()
+    assert outs[True] == outs[False]
 
 
 @gpu

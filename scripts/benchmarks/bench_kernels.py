@@ -9,6 +9,7 @@ cases are launch-bound there) and replayed from a CUDA graph (do_bench_cudagraph
 decode). The fused ops (RMSNorm, RoPE + KV-cache write, SiLU-mul) are timed against their torch
 references; the decode-step GEMM (skinny_gemm, at most 16 rows) against F.linear (cuBLAS) on the
 Llama-3.1-8B weight shapes, graph-timed with the weight cold in L2 and reported as GB/s of weight read.
+Decoder layers' GEMMs with the RMSNorms as launches against the norms in the GEMM epilogues.
 DeltaKV's up(z) of the selected latents: gather + F.linear against the gathering Triton GEMM.
 --sweep first tries launch settings of the decode and prefill kernels and uses the best;
 --sweep-splits times several split-count heuristics.
@@ -32,6 +33,7 @@ import triton  # noqa: E402
 from sparsevllm.kernels import decode_attention as da  # noqa: E402
 from sparsevllm.kernels import prefill_attention as pa, rmsnorm, rope_store as rs, silu_mul  # noqa: E402
 from sparsevllm.kernels import deltakv as kd  # noqa: E402
+from sparsevllm.kernels import quest as qk  # noqa: E402
 from sparsevllm.kernels import skinny_gemm as sk  # noqa: E402
 
 HQ, HKV, D = 32, 8, 128
@@ -249,6 +251,49 @@ def bench_skinny(results, gen, shapes, row_counts, dtype, cold_bytes):
             torch.cuda.empty_cache()
 
 
+def bench_layer_norms(results, gen, dims, row_counts, layers, dtype):
+    """Decoder layers' decode GEMMs and RMSNorms, graph-timed: the norms as their own launches (add +
+    norm after o_proj and down) against the norms in the GEMM epilogues (skinny_gemm.skinny_add_norm_triton,
+    the rows' 1 / rms applied by qkv / gate_up). dims: (hidden, qkv width, intermediate); attention
+    is left out (qkv's first `hidden` columns feed o_proj). Every layer has its own weights, so
+    they stream from HBM as in a decode step."""
+    H, QKV, I = dims
+    eps = 1e-5
+    ws = [{n: torch.randn(a, b, device=DEV, dtype=dtype, generator=gen) * 0.02 for n, a, b in
+           (("qkv", QKV, H), ("o", H, H), ("gate_up", 2 * I, H), ("down", H, I))} for _ in range(layers)]
+    norms = [torch.rand(2, H, device=DEV, generator=gen).to(dtype) + 0.5 for _ in range(layers)]
+
+    def plain(h):
+        x, res = rmsnorm.rms_norm(h, norms[0][0], eps), h
+        for i, w in enumerate(ws):
+            a = sk.linear(x, w["qkv"])[:, :H]
+            x, res = rmsnorm.rms_norm(sk.linear(a, w["o"]), norms[i][1], eps, res)
+            y = sk.linear(sk.linear_silu_mul(x, w["gate_up"]), w["down"])
+            x, res = rmsnorm.rms_norm(y, norms[(i + 1) % layers][0], eps, res)
+        return x
+
+    def fused(h):
+        x, res, row = rmsnorm.rms_norm(h, norms[0][0], eps), h, None
+        for i, w in enumerate(ws):
+            a = sk.linear(x, w["qkv"], None, row)[:, :H]
+            x, res, parts = sk.skinny_add_norm_triton(a, w["o"], res, norms[i][1])
+            m = sk.linear_silu_mul(x, w["gate_up"], (parts, eps))
+            x, res, parts = sk.skinny_add_norm_triton(m, w["down"], res, norms[(i + 1) % layers][0])
+            row = (parts, eps)
+        return x
+
+    for M in row_counts:
+        h = torch.randn(M, H, device=DEV, dtype=dtype, generator=gen)
+        row = {"layers": layers, "hidden": H, "rows": M, "engine_fuses": sk.takes(h, ws[0]["o"])}
+        for label, fn in (("norm_launches", plain), ("norms_in_epilogues", fused)):
+            row[f"{label}_ms"] = round(bench_graph_ms(lambda: fn(h)), 4)
+        results.append(row)
+        print("layer_norms", row, flush=True)
+    del ws
+    if DEV == "cuda":
+        torch.cuda.empty_cache()
+
+
 def bench_deltakv_up(results, gen, cases, dtype):
     """DeltaKV's up(z) of a decode step's selected latents (a linear up): the gather then F.linear
     (cuBLAS) against the Triton GEMM that gathers in its loads, graph-timed, per (requests, kept
@@ -264,6 +309,56 @@ def bench_deltakv_up(results, gen, cases, dtype):
         row["speedup"] = round(row["gather_f_linear_us"] / row["triton_us"], 3)
         results.append(row)
         print("deltakv_up", row, flush=True)
+
+
+def bench_quest_store(results, gen, B, N, layers, shapes, dtype):
+    """A Quest decode layer's front, `layers` layers in one graph (so launch gaps and early starts
+    count): the qkv GEMM (4,096 -> 6,144, a weight a layer), then rope_store (with the page
+    bounds) and quest_scores, or the store inside the scoring launch (store_and_score), then
+    select_pages; per scoring launch shape (pages a program, warps). Tables of N 16-token pages,
+    nearly full; each layer has its own bounds (134 MB at 128K x 4: none left in L2)."""
+    P, n = 16, min(128, N // 2)   # the default budget: 2,048 tokens
+    pages = B * N + 3
+    ctx = torch.full((B,), N * P - 5, device=DEV, dtype=torch.int32)
+    bt = torch.randperm(pages, device=DEV, generator=gen)[:B * N].view(B, N).int()
+    slots = bt[torch.arange(B, device=DEV), (ctx.long() - 1) // P].long() * P + (ctx.long() - 1) % P
+    x = torch.randn(B, HQ * D, device=DEV, dtype=dtype, generator=gen)
+    w = [torch.randn((HQ + 2 * HKV) * D, HQ * D, device=DEV, dtype=dtype, generator=gen) / 64 for _ in range(layers)]
+    cos_sin = torch.randn(N * P, D, device=DEV, generator=gen)
+    k_cache, v_cache = (torch.zeros(pages * P, HKV, D, device=DEV, dtype=dtype) for _ in range(2))
+    kmin = [torch.randn(pages, HKV, D, device=DEV, dtype=dtype, generator=gen) for _ in range(layers)]
+    kmax = [t + 1 for t in kmin]
+    pos = ctx.long() - 1
+
+    def qkv(i):
+        # (the interpreter's GEMM would make a CPU smoke run slow; there F.linear stands in)
+        out = (sk.skinny_linear_triton if DEV == "cuda" else torch.nn.functional.linear)(x, w[i])
+        return (out[:, :HQ * D].view(B, HQ, D), out[:, HQ * D:(HQ + HKV) * D].view(B, HKV, D),
+                out[:, (HQ + HKV) * D:].view(B, HKV, D))
+
+    def two():
+        for i in range(layers):
+            q, k, v = qkv(i)
+            q_rot, _ = rs.rope_store_triton(q, k, v, pos, cos_sin, k_cache, v_cache, slots, kmin[i], kmax[i], P)
+            qk.select_pages_triton(qk.quest_scores_triton(q_rot, kmin[i], kmax[i], bt, ctx, P, "kv_head"), bt, ctx, P, n)
+
+    def one():
+        for i in range(layers):
+            q, k, v = qkv(i)
+            scores = qk.store_and_score_triton(q, k, v, pos, cos_sin, k_cache, v_cache, slots, kmin[i], kmax[i], bt,
+                                               ctx, P, "kv_head", torch.empty_like(q), torch.empty_like(k))
+            qk.select_pages_triton(scores, bt, ctx, P, n)
+
+    keep = qk.BLOCK_PAGES, qk.SCORE_WARPS
+    try:
+        for qk.BLOCK_PAGES, qk.SCORE_WARPS in shapes:
+            row = {"requests": B, "pages": N, "layers": layers, "block_pages": qk.BLOCK_PAGES, "warps": qk.SCORE_WARPS,
+                   "two_launches_us": round(bench_graph_ms(two) / layers * 1e3, 2),
+                   "one_launch_us": round(bench_graph_ms(one) / layers * 1e3, 2)}
+            results.append(row)
+            print("quest_store", row, flush=True)
+    finally:
+        qk.BLOCK_PAGES, qk.SCORE_WARPS = keep
 
 
 def gather_sdpa(q, k_cache, v_cache, block_tables, context_len, page_size, scale):
@@ -420,9 +515,17 @@ def run(args, report, gen, save):
     report["skinny_gemm"] = []
     bench_skinny(report["skinny_gemm"], gen, linears, rows, gemm_dtype, cold_bytes)
     save()
+    report["layer_norms"] = []   # 32 Llama-3.1-8B layers (~14 GB of weights); smoke: 2 tiny ones
+    bench_layer_norms(report["layer_norms"], gen, (64, 96, 80) if args.smoke else (4096, 6144, 14336),
+                      (1, 3) if args.smoke else (1, 4, 16), 2 if args.smoke else 32, gemm_dtype)
+    save()
     report["deltakv_up"] = []   # Llama-3.1-8B at 128K x 4: 2,048 kept a request, latent 128, 8 x 128 heads
     bench_deltakv_up(report["deltakv_up"], gen, [(2, 20, 8, 48, 100)] if args.smoke else
                      [(1, 2048, 128, 2048, 128000), (4, 2048, 128, 2048, 4 * 128000)], gemm_dtype)
+    save()
+    report["quest_store"] = []   # Llama-3.1-8B at 128K x 4: 8,016 pages of 16 tokens a request
+    bench_quest_store(report["quest_store"], gen, *((3, 40, 2, [(32, 4)]) if args.smoke else
+                                                    (4, 8016, 8, [(32, 4), (32, 8), (64, 4), (64, 8)])), gemm_dtype)
     save()
     report["prefill_sweep"] = []
     if args.sweep and not args.smoke:

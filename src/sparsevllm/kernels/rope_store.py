@@ -50,7 +50,20 @@ def _rotate_halves(x_ptr, t, stride_t, stride_h, cos, sin,
     src = x_ptr + t * stride_t + heads * stride_h + cols
     x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
-    return x1 * cos - x2 * sin, x2 * cos + x1 * sin, heads, cols, mask
+    # Explicit fmas, the product with sin rounded and the one with cos fused: the Quest scoring kernel
+    # rotates with the same two, so its stored q and k equal these bit for bit.
+    return tl.fma(x1, cos, -(x2 * sin)), tl.fma(x2, cos, x1 * sin), heads, cols, mask
+
+
+@jit
+def fold_bounds(mn, mx, k, first, mask):
+    """Fold keys k into their page's channel-wise bounds at mn / mx (k itself at the page's first slot)."""
+    if first:
+        tl.store(mn, k, mask=mask)
+        tl.store(mx, k, mask=mask)
+    else:
+        tl.store(mn, tl.minimum(tl.load(mn, mask=mask, other=0.0), k), mask=mask)
+        tl.store(mx, tl.maximum(tl.load(mx, mask=mask, other=0.0), k), mask=mask)
 
 
 @jit
@@ -95,18 +108,8 @@ def _rope_store_kernel(q_ptr, k_ptr, v_ptr, qo_ptr, ko_ptr, pos_ptr, cache_ptr, 
             first = slot % P == 0
             mn = kmin_ptr + page * stride_mp + heads * stride_mh + cols
             mx = kmax_ptr + page * stride_mp + heads * stride_mh + cols
-            lo_b = k_lo.to(kmin_ptr.dtype.element_ty)
-            hi_b = k_hi.to(kmin_ptr.dtype.element_ty)
-            if first:
-                tl.store(mn, lo_b, mask=mask)
-                tl.store(mn + HALF, hi_b, mask=mask)
-                tl.store(mx, lo_b, mask=mask)
-                tl.store(mx + HALF, hi_b, mask=mask)
-            else:
-                tl.store(mn, tl.minimum(tl.load(mn, mask=mask, other=0.0), lo_b), mask=mask)
-                tl.store(mn + HALF, tl.minimum(tl.load(mn + HALF, mask=mask, other=0.0), hi_b), mask=mask)
-                tl.store(mx, tl.maximum(tl.load(mx, mask=mask, other=0.0), lo_b), mask=mask)
-                tl.store(mx + HALF, tl.maximum(tl.load(mx + HALF, mask=mask, other=0.0), hi_b), mask=mask)
+            fold_bounds(mn, mx, k_lo.to(kmin_ptr.dtype.element_ty), first, mask)
+            fold_bounds(mn + HALF, mx + HALF, k_hi.to(kmin_ptr.dtype.element_ty), first, mask)
 
 
 def rope_store_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,

@@ -22,6 +22,16 @@ and only weights wide enough to give every SM a program (smaller models keep cuB
 The MLP's gate_up goes through linear_silu_mul: the same kernel with SiLU(gate) * up in its
 epilogue, so a decode step has no separate activation launch and no [M, 2I] intermediate.
 
+The RMSNorm between two projections can ride in their epilogues (skinny_add_norm_triton, then
+linear / linear_silu_mul with row_norm; RowParallelLinear.add_norm picks it on one rank): o_proj and
+down_proj add the residual, write it and norm_weight * it, and each program's per-row sum of
+squares; qkv and gate_up, whose x that is, sum those partial sums in a fixed order (the same bits
+every run) and scale their rows by 1 / rms before the bias and the activation. Nothing changes in
+either K loop (a norm computed in the next GEMM's K loop made the GEMMs ~1.7x slower on the H200):
+63 of the 65 norm launches of a Llama-3.1-8B decode step go (the first layer's and the final one
+stay). The rounding differs from the three launches (norm_weight * r is rounded before the GEMM,
+1 / rms applied after it): bf16 noise, tested.
+
 On the GPU every launch is a programmatic dependent launch (PDL, see common.pdl): the kernel lets
 the next one start early (`gdc_launch_dependents`), asks L2 for its first weight tile and only then
 waits for the kernel before (`gdc_wait`): a GEMM's weight stream starts while the kernel before it
@@ -32,22 +42,57 @@ import torch
 import torch.nn.functional as F
 
 from sparsevllm.kernels.common import dot_precision, gdc_launch_dependents, gdc_wait, jit, pdl, prefetch_l2, tl
-from sparsevllm.kernels.common import sm_count, upcast_loads, use_triton
+from sparsevllm.kernels.common import pow2, sm_count, upcast_loads, use_triton
 from sparsevllm.kernels.silu_mul import silu_and_mul, silu_and_mul_ref
 
 MAX_ROWS = 16          # rows of x the kernel takes (one 16-row tensor-core tile)
 MIN_N, MIN_K = 4096, 2048   # below these cuBLAS keeps the shape: too few programs / too little to stream
 
 
-def skinny_linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x: [..., K]; weight: [N, K]; bias: [N] or None -> [..., N] in x's dtype."""
-    return F.linear(x, weight, bias)
+def rstd_of(row_norm: tuple[torch.Tensor, float], rows: int, k: int) -> torch.Tensor:
+    """1 / rms of each row from an add_norm launch's partial sums of squares: [rows, 1] fp32."""
+    parts, eps = row_norm
+    return torch.rsqrt(parts.sum(0)[:rows] / k + eps).unsqueeze(-1)
+
+
+def skinny_linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                      row_norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
+    """x: [..., K]; weight: [N, K]; bias: [N] or None -> [..., N] in x's dtype. row_norm (parts, eps):
+    x is w_norm * r from skinny_add_norm; each row is scaled by its 1 / rms before the bias."""
+    if row_norm is None:
+        return F.linear(x, weight, bias)
+    K = x.shape[-1]
+    y = F.linear(x.reshape(-1, K).float(), weight.float()) * rstd_of(row_norm, x.numel() // K, K)
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype).view(*x.shape[:-1], -1)
+
+
+def skinny_add_norm_ref(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor,
+                        norm_weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The add + RMSNorm after a row-parallel projection, but for the norm's 1 / rms: with y = x @ W.T,
+    r = y + residual (rounded as two launches round) -> (norm_weight * r, r, parts), parts fp32
+    [programs, MAX_ROWS] whose column sums are the rows' sums of r^2 (one row of them here). A
+    linear with row_norm=(parts, eps) over norm_weight * r then equals it over RMSNorm(r)."""
+    r = F.linear(x, weight) + residual
+    rows = r.reshape(-1, r.shape[-1]).float()
+    parts = torch.zeros(1, MAX_ROWS, dtype=torch.float32, device=x.device)
+    parts[0, :rows.shape[0]] = rows.pow(2).sum(-1)
+    return (norm_weight.float() * r.float()).to(r.dtype), r, parts
 
 
 @jit
 def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, COLS, stride_xm, stride_wn, stride_ym,
+                   res_ptr, res_out_ptr, nw_ptr, part_ptr, num_parts, eps, stride_rm, stride_rom,
                    HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr, PDL: tl.constexpr):
+                   BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr, PDL: tl.constexpr,
+                   ADD_NORM: tl.constexpr, ROW_NORM: tl.constexpr, BLOCK_P: tl.constexpr):
+    # ADD_NORM (o_proj, down): the epilogue adds the residual (r = x @ W.T + residual, written to
+    # res_out), writes w_norm * r as y and this program's per-row sum of r^2 to part[program, row]:
+    # the RMSNorm that follows, but for its 1 / rms, which needs every program's columns.
+    # ROW_NORM (qkv, gate_up): x is such a w_norm * r; the epilogue sums the num_parts partial sums
+    # of squares in a fixed order (no atomics: the same bits every run) and scales the rows by
+    # rsqrt(mean + eps) before the bias and the activation. Together they replace a norm launch.
     # SILU_MUL: the weight is [gate; up] with N rows each, y = silu(x @ gate.T) * (x @ up.T) [M, N];
     # a program streams gate rows `cols` and up rows N + `cols` together.
     # a program owns COLS <= BLOCK_N columns: the tile's lanes past COLS are masked (no loads)
@@ -85,6 +130,13 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, COLS, stride_xm, stride_
         acc += tl.dot(x, tl.trans(w), input_precision=DOT_PREC)
         if SILU_MUL:
             acc_up += tl.dot(x, tl.trans(u), input_precision=DOT_PREC)
+    if ROW_NORM:
+        parts = tl.arange(0, BLOCK_P)
+        sq = tl.load(part_ptr + parts[:, None] * BLOCK_M + rows[None, :], mask=(parts < num_parts)[:, None], other=0.0)
+        rstd = 1.0 / tl.sqrt(tl.sum(sq, 0) / K + eps)
+        acc = acc * rstd[:, None]
+        if SILU_MUL:
+            acc_up = acc_up * rstd[:, None]
     if HAS_BIAS:
         acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     ty = y_ptr.dtype.element_ty
@@ -92,7 +144,15 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, COLS, stride_xm, stride_
         gate = acc.to(ty).to(tl.float32)
         act = (gate / (1.0 + tl.exp(-gate))).to(ty).to(tl.float32)
         acc = act * acc_up.to(ty).to(tl.float32)
-    tl.store(y_ptr + rows[:, None] * stride_ym + cols[None, :], acc.to(ty), mask=row_ok[:, None] & col_ok[None, :])
+    out_ok = row_ok[:, None] & col_ok[None, :]
+    if ADD_NORM:   # rounded where the GEMM and then the add + norm kernel round
+        res = tl.load(res_ptr + rows[:, None] * stride_rm + cols[None, :], mask=out_ok, other=0.0)
+        r = (acc.to(ty).to(tl.float32) + res.to(tl.float32)).to(ty)
+        tl.store(res_out_ptr + rows[:, None] * stride_rom + cols[None, :], r, mask=out_ok)
+        rf = tl.where(out_ok, r.to(tl.float32), 0.0)
+        tl.store(part_ptr + tl.program_id(0) * BLOCK_M + rows, tl.sum(rf * rf, 1))
+        acc = tl.load(nw_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :] * rf
+    tl.store(y_ptr + rows[:, None] * stride_ym + cols[None, :], acc.to(ty), mask=out_ok)
 
 
 def num_sms(device: torch.device) -> int:
@@ -119,7 +179,9 @@ def launch_config(n: int, silu_mul: bool, sms: int) -> tuple[int, int, int, int,
     return (cols, 64, 256, 4, 4) if cols <= 64 else (64, 64, 256, 4, 4)
 
 
-def _skinny(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu_mul: bool) -> torch.Tensor:
+def _skinny(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu_mul: bool,
+            add_norm: tuple[torch.Tensor, torch.Tensor] | None = None,
+            row_norm: tuple[torch.Tensor, float] | None = None):
     N2, K = weight.shape
     N = N2 // 2 if silu_mul else N2
     x2 = x.reshape(-1, K)
@@ -129,29 +191,60 @@ def _skinny(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, si
     assert M <= MAX_ROWS and weight.stride(-1) == 1 and x.shape[-1] == K and not (silu_mul and N2 % 2)
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     cols, block_n, block_k, warps, stages = launch_config(N, silu_mul, num_sms(x.device))
+    grid = -(-N // cols)
+    res = res_out = parts = y
+    if add_norm is not None:   # (residual [.., N], norm weight [N])
+        residual, norm_weight = add_norm
+        assert bias is None and not silu_mul and residual.shape[-1] == N and norm_weight.shape == (N,)
+        res = residual.reshape(-1, N)
+        assert res.shape[0] == M and res.stride(-1) == 1 and res.dtype == x.dtype
+        res_out = torch.empty_like(y)
+        parts = torch.empty(grid, MAX_ROWS, dtype=torch.float32, device=x.device)
+        norm_weight = norm_weight.contiguous()
+    num_parts, eps = 1, 0.0
+    if row_norm is not None:   # (partial sums of squares [programs, MAX_ROWS] of an add_norm launch, eps)
+        parts, eps = row_norm
+        num_parts = parts.shape[0]
+        assert parts.shape[1] == MAX_ROWS and parts.dtype == torch.float32 and parts.is_contiguous()
     on = pdl()
-    _skinny_kernel[(-(-N // cols),)](
+    _skinny_kernel[(grid,)](
         x2, weight, bias if bias is not None else weight, y, M, N, K, cols, x2.stride(0), weight.stride(0), y.stride(0),
-        HAS_BIAS=bias is not None, SILU_MUL=silu_mul, BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k,
-        UPCAST=upcast_loads(x.dtype), DOT_PREC=dot_precision(x.dtype), PDL=on, num_warps=warps, num_stages=stages,
-        **({"launch_pdl": True} if on else {}))
-    return y.view(*x.shape[:-1], N)
+        res, res_out, norm_weight if add_norm is not None else y, parts, num_parts, float(eps),
+        res.stride(0), res_out.stride(0),
+        HAS_BIAS=bias is not None, SILU_MUL=silu_mul, BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k,
+        UPCAST=upcast_loads(x.dtype), DOT_PREC=dot_precision(x.dtype), PDL=on,
+        ADD_NORM=add_norm is not None, ROW_NORM=row_norm is not None, BLOCK_P=pow2(num_parts),
+        num_warps=warps, num_stages=stages, **({"launch_pdl": True} if on else {}))
+    y = y.view(*x.shape[:-1], N)
+    if add_norm is not None:
+        return y, res_out.view(y.shape), parts
+    return y
 
 
-def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                         row_norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
     """Same contract as skinny_linear_ref, for at most MAX_ROWS rows."""
-    return _skinny(x, weight, bias, False)
+    return _skinny(x, weight, bias, False, row_norm=row_norm)
 
 
-def skinny_silu_mul_ref(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x: [..., K]; weight: [2I, K] = [gate; up] -> silu(x @ gate.T) * (x @ up.T): [..., I]."""
-    return silu_and_mul_ref(F.linear(x, weight))
+def skinny_add_norm_triton(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor,
+                           norm_weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Same contract as skinny_add_norm_ref (parts: a row per program), for at most MAX_ROWS rows."""
+    return _skinny(x, weight, None, False, add_norm=(residual, norm_weight))
 
 
-def skinny_silu_mul_triton(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def skinny_silu_mul_ref(x: torch.Tensor, weight: torch.Tensor,
+                        row_norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
+    """x: [..., K]; weight: [2I, K] = [gate; up] -> silu(x @ gate.T) * (x @ up.T): [..., I];
+    row_norm as in skinny_linear_ref (applied to gate and up before the activation)."""
+    return silu_and_mul_ref(skinny_linear_ref(x, weight, None, row_norm))
+
+
+def skinny_silu_mul_triton(x: torch.Tensor, weight: torch.Tensor,
+                           row_norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
     """Same contract as skinny_silu_mul_ref, for at most MAX_ROWS rows: the MLP's gate_up GEMM with
     the activation in its epilogue (one launch, no [M, 2I] intermediate)."""
-    return _skinny(x, weight, None, True)
+    return _skinny(x, weight, None, True, row_norm=row_norm)
 
 
 def takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -161,15 +254,19 @@ def takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and weight.stride(-1) == 1 and x.numel() <= MAX_ROWS * K and N >= MIN_N and K >= MIN_K)
 
 
-def linear_silu_mul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def linear_silu_mul(x: torch.Tensor, weight: torch.Tensor,
+                    row_norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
     """silu_and_mul(F.linear(x, weight)) for a [gate; up] weight, fused for decode-sized steps."""
     if takes(x, weight):
-        return skinny_silu_mul_triton(x, weight)
-    return silu_and_mul(F.linear(x, weight))
+        return skinny_silu_mul_triton(x, weight, row_norm)
+    return silu_and_mul(skinny_linear_ref(x, weight, None, row_norm))
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, with decode-sized steps over wide weights routed to the weight-streaming kernel."""
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           row_norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
+    """F.linear, with decode-sized steps over wide weights routed to the weight-streaming kernel.
+    row_norm: x came from skinny_add_norm (see skinny_linear_ref)."""
     if takes(x, weight):
-        return skinny_linear_triton(x, weight, bias)
-    return F.linear(x, weight, bias)
+        return skinny_linear_triton(x, weight, bias, row_norm)
+    return skinny_linear_ref(x, weight, bias, row_norm)
+

@@ -6,13 +6,19 @@ With tp_size == 1 every class is a plain linear (no communication), so TP=1 stay
 Column-parallel: output features split, no communication. Row-parallel: input features split, one
 all-reduce of the partial sums (the only collective of an attention block or an MLP).
 """
+import os
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from sparsevllm.distributed import tp_rank, tp_size
-from sparsevllm.kernels.skinny_gemm import linear, linear_silu_mul
+from sparsevllm.kernels.skinny_gemm import linear, linear_silu_mul, skinny_add_norm_triton, takes
+
+
+# SPARSEVLLM_FUSED_NORM=0 keeps the norms as their own launches (to measure what the fusion brings).
+FUSED_NORM = os.environ.get("SPARSEVLLM_FUSED_NORM", "1") != "0"
 
 
 def narrow(loaded, dim: int, start: int, n: int) -> torch.Tensor:
@@ -45,8 +51,9 @@ class ColumnParallelLinear(nn.Module):
         n = param.shape[0]
         param.data.copy_(narrow(loaded, 0, self.tp_rank * n, n))
 
-    def forward(self, x):
-        return linear(x, self.weight, self.bias)
+    def forward(self, x, row_norm=None):
+        """row_norm: x came from RowParallelLinear.add_norm's fused path (rows still to scale by 1 / rms)."""
+        return linear(x, self.weight, self.bias, row_norm)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -61,10 +68,10 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         off = sum(self.sizes[:shard_id]) // self.tp_size
         param.data.narrow(0, off, n).copy_(narrow(loaded, 0, self.tp_rank * n, n))
 
-    def silu_mul(self, x):
+    def silu_mul(self, x, row_norm=None):
         """SiLU(gate) * up of this projection ([gate_r | up_r] on every rank), fused on decode steps."""
         assert self.bias is None and len(self.sizes) == 2 and self.sizes[0] == self.sizes[1]
-        return linear_silu_mul(x, self.weight)
+        return linear_silu_mul(x, self.weight, row_norm)
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -107,6 +114,21 @@ class RowParallelLinear(nn.Module):
         if self.tp_size > 1:
             dist.all_reduce(y)  # plain collective: capturable in a CUDA graph under NCCL, same order on every rank
         return y if self.bias is None else y + self.bias
+
+    def add_norm(self, x, residual, norm):
+        """norm(self(x), residual) -> (out, residual, row_norm). On one rank, for decode-sized steps
+        over a wide weight, the GEMM's epilogue does the add and the norm but for its 1 / rms, which
+        needs every program's columns: out is norm.weight * (y + residual), and row_norm carries the
+        per-row sums of squares that the next linear turns into 1 / rms (one norm launch fewer).
+        Elsewhere the two launches, row_norm None; norm None: (self(x), residual, None)."""
+        if norm is not None and self.tp_size == 1 and self.bias is None and FUSED_NORM and takes(x, self.weight):
+            out, residual, parts = skinny_add_norm_triton(x, self.weight, residual, norm.weight)
+            return out, residual, (parts, norm.eps)
+        y = self(x)
+        if norm is None:
+            return y, residual, None
+        out, residual = norm(y, residual)
+        return out, residual, None
 
 
 class VocabParallelEmbedding(nn.Module):

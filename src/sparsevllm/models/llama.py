@@ -29,8 +29,9 @@ class DecoderAttention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if qk_norm else None
         self.attn = Attention(layer_id, self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5, rope)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, row_norm, residual: torch.Tensor, norm: RMSNorm):
+        """-> norm(o_proj(attention) + residual) as RowParallelLinear.add_norm returns it."""
+        q, k, v = self.qkv_proj(x, row_norm).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
@@ -38,7 +39,7 @@ class DecoderAttention(nn.Module):
             q = self.q_norm(q.reshape(-1, self.head_dim)).view_as(q)
             k = self.k_norm(k.reshape(-1, self.head_dim)).view_as(k)
         o = self.attn(q, k, v)   # RoPE at the step's positions happens there, fused with the cache write
-        return self.o_proj(o.reshape(-1, self.q_size))
+        return self.o_proj.add_norm(o.reshape(-1, self.q_size), residual, norm)
 
 
 class MLP(nn.Module):
@@ -47,8 +48,8 @@ class MLP(nn.Module):
         self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, bias=False)
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
-    def forward(self, x):
-        return self.down_proj(self.gate_up_proj.silu_mul(x))
+    def forward(self, x, row_norm, residual, norm):
+        return self.down_proj.add_norm(self.gate_up_proj.silu_mul(x, row_norm), residual, norm)
 
 
 class DecoderLayer(nn.Module):
@@ -59,14 +60,16 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, positions, x, residual):
+    def forward(self, positions, x, residual, row_norm, next_norm):
+        """x: the embedding (residual None, normed here) or this layer's input already added and
+        normed by the layer before's down_proj (RowParallelLinear.add_norm with this layer's
+        input_layernorm; with row_norm, all but each row's 1 / rms, which qkv_proj applies).
+        Returns the same for the next layer, normed by next_norm (None: the MLP's output and the
+        residual, for the caller to add and norm)."""
         if residual is None:
             residual, x = x, self.input_layernorm(x)
-        else:
-            x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(positions, x)
-        x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+        x, residual, row_norm = self.self_attn(positions, x, row_norm, residual, self.post_attention_layernorm)
+        return self.mlp(x, row_norm, residual, next_norm)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -95,9 +98,11 @@ class LlamaForCausalLM(nn.Module):
         return [c.intermediate_size, c.intermediate_size]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        x, residual = self.embed_tokens(input_ids), None
-        for layer in self.layers:
-            x, residual = layer(positions, x, residual)
+        x, residual, row_norm = self.embed_tokens(input_ids), None, None
+        for i, layer in enumerate(self.layers):
+            last = i + 1 == len(self.layers)
+            x, residual, row_norm = layer(positions, x, residual, row_norm,
+                                          None if last else self.layers[i + 1].input_layernorm)
         x, _ = self.norm(x, residual)
         return x
 

@@ -11,6 +11,10 @@ and so do prefill and the first `quest_skip_layers` layers (the paper keeps laye
 their attention is not sparse enough for the bound to pick well). Nothing is evicted: Quest saves
 bandwidth, not memory (the metadata costs 2 / (2 P) = 1/P of the raw KV).
 
+How a sparse decode layer runs: store_kv hands back empty q / k buffers and build_decode_view does
+RoPE, the cache write and the page-bound update inside the page-scoring launch (store_and_score), then
+the selection (select_pages): two launches before the attention instead of three.
+
 Where we differ from the official code, and why:
 - GQA: the official kernels (written for multi-head models) select a page set per query head.
   `quest_selection` picks the rows: "kv_head" (default, as METHODS.md fixes it) selects one set
@@ -26,6 +30,7 @@ Where we differ from the official code, and why:
   metadata, which is exact because their content is identical.
 - Layers below `quest_skip_layers` keep no metadata at all.
 """
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -37,9 +42,13 @@ from sparsevllm.engine.cache_manager.base import CacheManager, Capabilities
 from sparsevllm.engine.sequence import Sequence
 from sparsevllm.engine.staging import to_device
 from sparsevllm.engine.step import DecodeView, StepState
-from sparsevllm.kernels.quest import SELECTIONS, page_minmax, quest_scores, select_pages
+from sparsevllm.kernels.quest import SELECTIONS, page_minmax, quest_scores, select_pages, store_and_score
 from sparsevllm.kernels.rope_store import rope_store
 from sparsevllm.models.config import ModelConfig
+
+# A scoring layer's decode store (RoPE, the cache write, the page bounds) runs inside the page-scoring
+# launch instead of a launch of its own; SPARSEVLLM_QUEST_FUSED_STORE=0 keeps the separate launch (A/B).
+FUSED_STORE = os.environ.get("SPARSEVLLM_QUEST_FUSED_STORE", "1") != "0"
 
 
 @dataclass
@@ -94,6 +103,7 @@ class QuestCacheManager(CacheManager):
         shape = (num_layers - self.skip_layers, num_pages, num_kv_heads, head_dim)
         self.kmin = torch.zeros(shape, dtype=dtype, device=device)
         self.kmax = torch.zeros(shape, dtype=dtype, device=device)
+        self._pending_store = None   # a scoring layer's decode store, from store_kv to build_decode_view
 
     @classmethod
     def validate_model(cls, config: EngineConfig, model_config: ModelConfig) -> None:
@@ -140,10 +150,22 @@ class QuestCacheManager(CacheManager):
             out.append(self.tables.arrays[seq.seq_id][pages].astype(np.int64) * P + last_pos % P)
         return to_device(np.concatenate(out), self.device)
 
+    def _scores(self, layer_id: int, step: StepState) -> bool:
+        """Whether this decode layer scores pages: a sparse layer whose table is wider than the budget
+        (a static-shape test: in CUDA graphs the table width is max_model_len / P)."""
+        return (not step.is_prefill and layer_id >= self.skip_layers
+                and step.block_tables.shape[1] > self.budget_pages)
+
     def store_kv(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  cos_sin_cache: torch.Tensor, step: StepState) -> tuple[torch.Tensor, torch.Tensor]:
         if layer_id < self.skip_layers or step.is_prefill:
             return super().store_kv(layer_id, q, k, v, cos_sin_cache, step)
+        if FUSED_STORE and self._scores(layer_id, step):
+            # Deferred into the scoring launch (build_decode_view, next in the layer): q and k come
+            # back as the buffers it fills after RoPE; nothing reads them before.
+            q_out, k_out = torch.empty_like(q), torch.empty_like(k)
+            self._pending_store = (layer_id, q, k, v, cos_sin_cache, q_out, k_out)
+            return q_out, k_out
         # Decode writes one token per request into a page no other request writes: the write
         # itself folds the new key into its page's min/max (the page's first slot resets them).
         i = layer_id - self.skip_layers
@@ -160,15 +182,22 @@ class QuestCacheManager(CacheManager):
                     self.page_size)
 
     def build_decode_view(self, layer_id: int, q: torch.Tensor, step: StepState) -> DecodeView:
-        # A static-shape branch: in CUDA graphs the table width is max_model_len / P.
-        if layer_id < self.skip_layers or step.block_tables.shape[1] <= self.budget_pages:
+        if not self._scores(layer_id, step):
             return super().build_decode_view(layer_id, q, step)
         i = layer_id - self.skip_layers
-        scores = quest_scores(q, self.kmin[i], self.kmax[i], step.block_tables, step.cache_lens,
-                              self.page_size, self.selection)
+        k_cache, v_cache = self.pool.layer(layer_id)
+        pending, self._pending_store = self._pending_store, None
+        if pending is not None:
+            assert pending[0] == layer_id and pending[5] is q, "a deferred store belongs to this layer's query"
+            _, q_raw, k, v, cos_sin_cache, q_out, k_out = pending
+            scores = store_and_score(q_raw, k, v, step.positions, cos_sin_cache, k_cache, v_cache,
+                                     step.slot_mapping, self.kmin[i], self.kmax[i], step.block_tables,
+                                     step.cache_lens, self.page_size, self.selection, q_out, k_out)
+        else:
+            scores = quest_scores(q, self.kmin[i], self.kmax[i], step.block_tables, step.cache_lens,
+                                  self.page_size, self.selection)
         if self.selection == "shared":
             scores = combine_shared_scores(scores, op="sum")   # the sum over every rank's heads (-inf stays -inf)
         table, lengths = select_pages(scores, step.block_tables, step.cache_lens, self.page_size,
                                       self.budget_pages)
-        k_cache, v_cache = self.pool.layer(layer_id)
         return DecodeView(k_cache, v_cache, table, lengths, self.page_size)
