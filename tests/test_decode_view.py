@@ -57,3 +57,24 @@ def test_per_head_view_with_equal_rows_equals_shared_view():
     per_head = decode_attention_ref(q, k_cache, v_cache, table.expand(2, Hkv, 3).contiguous(),
                                     lengths.expand(2, Hkv).contiguous(), P, 0.2)
     torch.testing.assert_close(shared, per_head)
+
+
+def test_a_manager_that_stores_its_own_way_gets_no_store_in_the_qkv_epilogue():
+    """store_target (the qkv GEMM writing K/V on decode steps) must write exactly what store_kv
+    would: a registered method that overrides store_kv overrides store_target too, and a method
+    that overrides only store_kv gets None (its own store runs)."""
+    from types import SimpleNamespace
+
+    from sparsevllm.engine.cache_manager.base import CacheManager
+    from sparsevllm.method_registry import METHODS
+
+    for name, cls in METHODS.items():
+        if cls.store_kv is not CacheManager.store_kv and cls.store_target is CacheManager.store_target:
+            assert cls.method_name == "deltakv", name   # compresses pre-RoPE K in its store: keeps store_kv
+
+    class OwnStore(CacheManager):
+        def store_kv(self, layer_id, q, k, v, cos_sin_cache, step):
+            raise AssertionError("not called here")
+
+    decode = SimpleNamespace(is_prefill=False)
+    assert OwnStore.store_target(object.__new__(OwnStore), 0, decode) is None

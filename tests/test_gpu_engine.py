@@ -61,3 +61,37 @@ def test_bf16_graphs_with_chunked_prefill_and_prefix_cache(tiny_model):
     again = [o.outputs[0].token_ids for o in llm.generate(ps, GREEDY, use_tqdm=False)]  # prefix-cache hits
     assert first == again
     assert llm.engine.cache_manager.allocator.is_idle()
+
+
+@pytest.mark.parametrize("method,knobs", [("vanilla", {}), ("snapkv", dict(snapkv_capacity=48, snapkv_window_size=8)),
+                                          ("quest", dict(quest_token_budget=24, quest_skip_layers=1))])
+@pytest.mark.parametrize("quest_fused_store", [False, True])
+def test_bf16_store_in_the_qkv_epilogue_equals_the_separate_launch(tiny_model, monkeypatch, method, knobs,
+                                                                 quest_fused_store):
+    """Decode steps whose qkv GEMM rotates q / k and writes the cache (store_target) give the tokens of
+    the GEMM followed by rope_store, under CUDA graphs in bf16 (the skinny kernel forced for the tiny
+    model's decode-sized steps; its launches are PDL on the H200, so this also checks their order)."""
+    if method != "quest" and quest_fused_store:
+        pytest.skip("Quest's knob")
+    from sparsevllm.engine.cache_manager import quest as quest_cm
+    from sparsevllm.kernels import skinny_gemm
+    from sparsevllm.layers import attention, parallel_linear
+    decode_sized = lambda x, w: x.numel() <= skinny_gemm.MAX_ROWS * w.shape[1] and x.dtype == torch.bfloat16  # noqa: E731
+    monkeypatch.setattr(skinny_gemm, "takes", decode_sized)
+    monkeypatch.setattr(parallel_linear, "takes", decode_sized)
+    monkeypatch.setattr(quest_cm, "FUSED_STORE", quest_fused_store)
+    stores = []
+    rope_store = parallel_linear.linear_rope_store
+    monkeypatch.setattr(parallel_linear, "linear_rope_store", lambda *a: stores.append(1) or rope_store(*a))
+    path = tiny_model("llama")
+    ps = prompts(6, base=60)
+    sp = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    outs = {}
+    for epilogue in (False, True):
+        monkeypatch.setattr(attention, "FUSED_ROPE_STORE", epilogue)
+        llm = LLM(path, device="cuda", vllm_sparse_method=method, max_num_seqs=8, page_size=4, **knobs)
+        assert llm.execution_mode == "cuda_graph"
+        outs[epilogue] = [o.outputs[0].token_ids for o in llm.generate(ps, sp, use_tqdm=False)]
+        assert llm.engine.cache_manager.allocator.is_idle()
+        assert bool(stores) == epilogue
+    assert outs[True] == outs[False]

@@ -67,7 +67,7 @@ def test_sharded_checkpoint_loads_like_a_single_file(tmp_path):
 def test_decode_gemms_with_the_norm_in_their_epilogues_match_transformers(tiny_model, arch, monkeypatch):
     """On a GPU, decode steps over wide weights run o_proj / down_proj with the residual add and the
     next RMSNorm (but its 1 / rms) in the GEMM's epilogue and qkv / gate_up with the rows' 1 / rms
-    in theirs (RowParallelLinear.add_norm). Forced here for every step of at most 16 rows, through
+    in theirs (RowParallelLinear.add_norm); qkv also rotates q / k and writes the cache in its own. Forced here for every step of at most 16 rows, through
     Triton's interpreter: still Hugging Face's greedy tokens (fp32)."""
     from sparsevllm.kernels import skinny_gemm
     from sparsevllm.layers import parallel_linear
@@ -78,6 +78,10 @@ def test_decode_gemms_with_the_norm_in_their_epilogues_match_transformers(tiny_m
     calls = []
     add_norm = parallel_linear.skinny_add_norm_triton
     monkeypatch.setattr(parallel_linear, "skinny_add_norm_triton", lambda *a: calls.append(1) or add_norm(*a))
+    stores = []   # decode steps whose qkv GEMM did RoPE and the cache write (not with Qwen3's q/k norms)
+    rope_store = parallel_linear.linear_rope_store
+    monkeypatch.setattr(parallel_linear, "linear_rope_store",
+                        lambda *a: stores.append(1) or rope_store(*a))
     path = tiny_model(arch)
     llm = LLM(path, page_size=4)
     sp = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
@@ -85,4 +89,5 @@ def test_decode_gemms_with_the_norm_in_their_epilogues_match_transformers(tiny_m
     outs = llm.generate(prompts, sp, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(path, p, 6) for p in prompts]
     assert calls, "the fused path never ran"
+    assert bool(stores) == (arch != "qwen3"), "RoPE and the store belong in the qkv epilogue without q/k norms"
     assert llm.engine.cache_manager.allocator.is_idle()

@@ -250,6 +250,60 @@ def test_skinny_linear_triton_matches_reference(dtype, rows, with_bias, sms, poi
     close(got, skinny_gemm.skinny_linear_ref(x.float(), w.float(), None if b is None else b.float()), dtype)
 
 
+def qkv_store_case(g, rows, Hq, Hk, D, K, P, dtype, device="cpu"):
+    """A decode step's qkv projection over a random pool: one row a page (page size P), the rows'
+    slots anywhere in their pages, one padding row (-1); stale page bounds to fold into."""
+    N = (Hq + 2 * Hk) * D
+    x = torch.randn(rows, K, generator=g).to(dtype)
+    w = (torch.randn(N, K, generator=g) * 0.1).to(dtype)
+    b = torch.randn(N, generator=g).to(dtype)
+    pages = 2 * rows + 1
+    slots = torch.randperm(pages, generator=g)[:rows] * P + torch.randint(0, P, (rows,), generator=g)
+    slots[rows // 2] = -1
+    pos = torch.randint(0, 50, (rows,), generator=g)
+    cache = torch.randn(50, D, generator=g)
+    kc, vc = (torch.randn(pages * P, Hk, D, generator=g).to(dtype) for _ in range(2))
+    kmin = torch.randn(pages, Hk, D, generator=g).to(dtype)
+    kmax = kmin + torch.rand(pages, Hk, D, generator=g).to(dtype)
+    out = (x, w, b, pos, cache, kc, vc, slots, kmin, kmax)
+    return tuple(t.to(device) for t in out)
+
+
+@interp
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("rows", [1, 5, 16])
+@pytest.mark.parametrize("sms", [132, 3, 1])
+@pytest.mark.parametrize("bounds", [False, True])
+def test_linear_rope_store_triton_equals_the_gemm_then_rope_store(dtype, rows, sms, bounds, poison, monkeypatch):
+    # 2 virtual columns a program (32-column tiles), 44 (64-column tiles, a program holding parts of
+    # two heads and of q and k), 64-column tiles in waves; the q / k / v boundaries fall inside programs.
+    monkeypatch.setattr(skinny_gemm, "num_sms", lambda device: sms)
+    g = torch.Generator().manual_seed(40 + rows)
+    Hq, Hk, D, P = 4, 2, 16, 4
+    x, w, b, pos, cache, kc, vc, slots, kmin, kmax = qkv_store_case(g, rows, Hq, Hk, D, 200, P, dtype)
+    ref = [t.clone() for t in (kc, vc, kmin, kmax)]
+    mm = (kmin, kmax) if bounds else (None, None)
+    got = skinny_gemm.linear_rope_store_triton(x, w, b, None, Hq * D, Hk * D, D, pos, cache, kc, vc, slots, *mm, P)
+    want = skinny_gemm.linear_rope_store_ref(x, w, b, None, Hq * D, Hk * D, D, pos, cache, *ref[:2], slots,
+                                             *(ref[2:] if bounds else (None, None)), P)
+    assert got.shape == (rows, (Hq + 2 * Hk) * D)
+    close(got, want, dtype)
+    for a, r in zip((kc, vc, kmin, kmax), ref):
+        close(a, r, dtype)
+    keep = slots >= 0
+    kv = got[:, Hq * D:].view(rows, 2, Hk, D)
+    assert torch.equal(kc[slots[keep]], kv[keep, 0]) and torch.equal(vc[slots[keep]], kv[keep, 1])
+    if not bounds:
+        assert torch.equal(kmin, ref[2])
+    # against the plain pieces: the GEMM (rounded to the dtype, as the kernel rounds it), then RoPE
+    y = skinny_gemm.skinny_linear_ref(x.float(), w.float(), b.float()).to(dtype).float()
+    q_rot, k_rot = rs.rope_store_ref(y[:, :Hq * D].reshape(rows, Hq, D), y[:, Hq * D:(Hq + Hk) * D].reshape(rows, Hk, D),
+                                     y[:, (Hq + Hk) * D:].reshape(rows, Hk, D), pos, cache, kc.float().clone(),
+                                     vc.float().clone(), torch.full_like(slots, -1))
+    close(got[:, :Hq * D], q_rot.reshape(rows, -1), dtype)
+    close(got[:, Hq * D:(Hq + Hk) * D], k_rot.reshape(rows, -1), dtype)
+
+
 @interp
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("rows", [1, 7, 16])
@@ -448,6 +502,31 @@ def test_gpu_skinny_linear_matches_cublas_on_llama_shapes_bf16():
             assert skinny_gemm.takes(x, w)
             want = torch.nn.functional.linear(x.float(), w.float(), None if b is None else b.float())
             close(skinny_gemm.linear(x, w, b), want, bf)
+
+
+@gpu
+def test_gpu_qkv_rope_store_equals_the_gemm_then_rope_store_on_llama_shapes_bf16():
+    """The qkv GEMM with RoPE and the cache write (and Quest's page bounds) in its epilogue == the
+    skinny GEMM, then rope_store: rounded at the same points with the same fmas, so equal bits up to
+    the order of the K sum (the same tiles walk K in the same order; only the columns are permuted)."""
+    g = torch.Generator().manual_seed(16)
+    bf = torch.bfloat16
+    Hq, Hk, D, P = 32, 8, 128, 16
+    for rows in (1, 4, 16):
+        x, w, b, pos, cache, kc, vc, slots, kmin, kmax = qkv_store_case(g, rows, Hq, Hk, D, 4096, P, bf, "cuda")
+        assert skinny_gemm.takes(x, w)
+        for bounds in (False, True):
+            ref = [t.clone() for t in (kc, vc, kmin, kmax)]
+            mm = (kmin, kmax) if bounds else (None, None)
+            got = skinny_gemm.linear_rope_store(x, w, b, None, Hq * D, Hk * D, D, pos, cache, kc, vc, slots, *mm, P)
+            y = skinny_gemm.linear(x, w, b)
+            q, k, v = y.split([Hq * D, Hk * D, Hk * D], dim=-1)
+            q, k = rs.rope_store(q.reshape(rows, Hq, D), k.reshape(rows, Hk, D), v.reshape(rows, Hk, D), pos, cache,
+                                 ref[0], ref[1], slots, *(ref[2:] if bounds else (None, None)), P)
+            want = torch.cat([q.reshape(rows, -1), k.reshape(rows, -1), v], dim=-1)
+            for name, a, r in zip(("qkv", "k_cache", "v_cache", "kmin", "kmax"), (got, kc, vc, kmin, kmax), [want] + ref):
+                close(a, r, bf)
+                assert (a != r).float().mean() < 1e-3, (rows, bounds, name, (a != r).sum().item())
 
 
 @gpu

@@ -529,3 +529,36 @@ def test_gpu_quest_graph_replay_equals_eager(tiny_model, selection):
         ps = prompts([40 + 23 * i for i in range(n)], seed=n)
         assert token_ids(eager.generate(ps, sp, use_tqdm=False)) == token_ids(graph.generate(ps, sp, use_tqdm=False))
     assert graph.engine.cache_manager.allocator.is_idle()
+
+
+@pytest.mark.parametrize("fused_store", [False, True])
+def test_quest_store_in_the_qkv_epilogue_gives_the_separate_stores_tokens(tiny_model, monkeypatch, fused_store):
+    """Decode steps whose qkv GEMM rotates and writes K/V itself (CacheManager.store_target): the
+    dense layer writes the pool, the sparse layers also fold each key into its page's bounds (or,
+    with the store inside the scoring launch, leave the layer to it). Forced through the
+    interpreter for decode-sized steps: the tokens of rope_store's separate launch."""
+    from sparsevllm.engine.cache_manager import quest as quest_cm
+    from sparsevllm.kernels import skinny_gemm
+    from sparsevllm.layers import attention, parallel_linear
+    decode_sized = lambda x, w: x.numel() <= skinny_gemm.MAX_ROWS * w.shape[1]   # noqa: E731
+    monkeypatch.setattr(skinny_gemm, "takes", decode_sized)
+    monkeypatch.setattr(parallel_linear, "takes", decode_sized)
+    monkeypatch.setattr(skinny_gemm, "num_sms", lambda device: 3)
+    monkeypatch.setattr(quest_cm, "FUSED_STORE", fused_store)
+    targets = []
+    store_target = quest_cm.QuestCacheManager.store_target
+    monkeypatch.setattr(quest_cm.QuestCacheManager, "store_target",
+                        lambda self, i, step: targets.append(store_target(self, i, step)) or targets[-1])
+    path = tiny_model("llama")
+    ps = prompts([40 + 23 * i for i in range(4)], seed=5)
+    sp = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    outs = {}
+    for epilogue in (False, True):
+        monkeypatch.setattr(attention, "FUSED_ROPE_STORE", epilogue)
+        llm = LLM(path, vllm_sparse_method="quest", page_size=4, quest_token_budget=12, quest_skip_layers=1)
+        outs[epilogue] = token_ids(llm.generate(ps, sp, use_tqdm=False))
+        assert llm.engine.cache_manager.allocator.is_idle()
+    assert outs[True] == outs[False]
+    bounds = [t for t in targets if t is not None and t.kmin is not None]
+    assert any(t is not None and t.kmin is None for t in targets)      # the dense layer 0
+    assert bool(bounds) != fused_store                                 # sparse layers: bounds, or the scoring launch

@@ -36,6 +36,21 @@ class PrefillView:
 
 
 @dataclass
+class StoreTarget:
+    """Where a decode step's new K/V go, for a projection that writes them itself (the qkv GEMM's
+    epilogue on decode steps: RoPE, the write, and optionally per-page key bounds, in the launch
+    that computes them). slot_mapping / positions: [T] as in StepState; kmin / kmax: [num_pages,
+    H_kv, D] bounds to fold each new key into (Quest), or None."""
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    slot_mapping: torch.Tensor
+    positions: torch.Tensor
+    kmin: torch.Tensor | None = None
+    kmax: torch.Tensor | None = None
+    page_size: int = 1
+
+
+@dataclass
 class StepState:
     """Everything one forward step needs, built once by `prepare_step` and passed down."""
     is_prefill: bool

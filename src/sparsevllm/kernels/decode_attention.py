@@ -16,10 +16,16 @@ correctly for any lengths: each row divides its own length over the splits in-ke
 left empty write lse = -inf which the merge ignores.
 """
 
+import os
+
 import torch
 
-from sparsevllm.kernels.common import dot_precision, jit, pow2, sm_count, tl, upcast_loads, use_triton
+from sparsevllm.kernels.common import dot_precision, gdc_launch_dependents, gdc_wait, jit, pdl, pow2, sm_count, tl
+from sparsevllm.kernels.common import upcast_loads, use_triton
 
+# Both kernels launch as programmatic dependent launches (common.pdl): each starts while the kernel
+# before it drains and waits for its output in gdc_wait; SPARSEVLLM_PDL_ATTENTION=0 turns it off (A/B).
+PDL_ATTENTION = os.environ.get("SPARSEVLLM_PDL_ATTENTION", "1") != "0"
 # Launch settings: the best of a sweep on the H200 (scripts/benchmarks/bench_kernels.py --sweep).
 BLOCK_N = 64        # tokens per inner step
 NUM_WARPS = 4
@@ -96,7 +102,9 @@ def _decode_split_kernel(
         QG: tl.constexpr, KV_DIV: tl.constexpr, P: tl.constexpr, HEAD_DIM: tl.constexpr,
         BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
         UPCAST: tl.constexpr, DOT_PREC: tl.constexpr, DIRECT: tl.constexpr, TOKEN_SCORES: tl.constexpr,
-        SCORE_ITERS: tl.constexpr):
+        SCORE_ITERS: tl.constexpr, PDL: tl.constexpr = False):
+    if PDL:   # everything read here (q, the cache, the view) comes from the kernels before
+        gdc_wait()
     b = tl.program_id(0)
     h = tl.program_id(1)        # the view row: a KV head (QG query heads), or a query head (QG = 1)
     split = tl.program_id(2)
@@ -164,6 +172,8 @@ def _decode_split_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
         m_i = m_new
+    if PDL:   # past the loop: the next kernel may launch (it waits for this one's stores in gdc_wait)
+        gdc_launch_dependents()
     if TOKEN_SCORES:
         toks = start + iters[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
         tl.store(tok_ptr + b * stride_tokb + kvh * stride_tokh + toks, staged, mask=toks < end)
@@ -179,7 +189,10 @@ def _decode_merge_kernel(mid_o_ptr, mid_lse_ptr, out_ptr,
                          stride_ob, stride_oh, stride_os, stride_lseb, stride_lseh,
                          stride_outb, stride_outh, NUM_SPLITS,
                          BLOCK_S: tl.constexpr,
-                         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+                         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False):
+    if PDL:   # a small kernel: let the next one (o_proj's weight prefetch) start now
+        gdc_launch_dependents()
+        gdc_wait()
     b = tl.program_id(0)
     h = tl.program_id(1)
     splits = tl.arange(0, BLOCK_S)
@@ -242,6 +255,8 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     stride_tg = table.stride(1) if G > 1 else 0
     stride_lg = lengths.stride(1) if G > 1 else 0
     BLOCK_D = pow2(D)
+    on = PDL_ATTENTION and pdl()
+    launch = {"launch_pdl": True} if on else {}
     _decode_split_kernel[(B, rows, S)](
         q, k_cache, v_cache, table, lengths, mid_o, mid_lse, out,
         token_scores if token_scores is not None else out, scale * 1.4426950408889634,
@@ -253,15 +268,15 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         S, QG=QG, KV_DIV=Hq // Hkv if per_query_head else 1, P=P, HEAD_DIM=D, BLOCK_D=BLOCK_D,
         BLOCK_H=max(16, pow2(QG)), BLOCK_N=BLOCK_N,
         UPCAST=upcast, DOT_PREC=dot_precision(q.dtype), DIRECT=direct, TOKEN_SCORES=token_scores is not None,
-        SCORE_ITERS=score_iters,
+        SCORE_ITERS=score_iters, PDL=on,
         num_warps=SCORES_NUM_WARPS if token_scores is not None else NUM_WARPS,
-        num_stages=SCORES_NUM_STAGES if token_scores is not None else NUM_STAGES)
+        num_stages=SCORES_NUM_STAGES if token_scores is not None else NUM_STAGES, **launch)
     if direct:
         return out
     _decode_merge_kernel[(B, Hq)](
         mid_o, mid_lse, out, mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
         mid_lse.stride(0), mid_lse.stride(1), out.stride(0), out.stride(1), S,
-        BLOCK_S=pow2(S), HEAD_DIM=D, BLOCK_D=BLOCK_D, num_warps=4)
+        BLOCK_S=pow2(S), HEAD_DIM=D, BLOCK_D=BLOCK_D, PDL=on, num_warps=4, **launch)
     return out
 
 

@@ -43,6 +43,7 @@ import torch.nn.functional as F
 
 from sparsevllm.kernels.common import dot_precision, gdc_launch_dependents, gdc_wait, jit, pdl, prefetch_l2, tl
 from sparsevllm.kernels.common import pow2, sm_count, upcast_loads, use_triton
+from sparsevllm.kernels.rope_store import rope_store_ref
 from sparsevllm.kernels.silu_mul import silu_and_mul, silu_and_mul_ref
 
 MAX_ROWS = 16          # rows of x the kernel takes (one 16-row tensor-core tile)
@@ -86,7 +87,11 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, COLS, stride_xm, stride_
                    res_ptr, res_out_ptr, nw_ptr, part_ptr, num_parts, eps, stride_rm, stride_rom,
                    HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr, PDL: tl.constexpr,
-                   ADD_NORM: tl.constexpr, ROW_NORM: tl.constexpr, BLOCK_P: tl.constexpr):
+                   ADD_NORM: tl.constexpr, ROW_NORM: tl.constexpr, BLOCK_P: tl.constexpr,
+                   pos_ptr=None, cs_ptr=None, slot_ptr=None, kc_ptr=None, vc_ptr=None, mn_ptr=None, mx_ptr=None,
+                   stride_c=0, stride_kcs=0, stride_kch=0, stride_vcs=0, stride_vch=0, stride_mp=0, stride_mh=0,
+                   Q_SIZE=0, KV_SIZE=0, HEAD_DIM: tl.constexpr = 2, PAGE: tl.constexpr = 1,
+                   ROPE: tl.constexpr = False, BOUNDS: tl.constexpr = False):
     # ADD_NORM (o_proj, down): the epilogue adds the residual (r = x @ W.T + residual, written to
     # res_out), writes w_norm * r as y and this program's per-row sum of r^2 to part[program, row]:
     # the RMSNorm that follows, but for its 1 / rms, which needs every program's columns.
@@ -95,12 +100,22 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, COLS, stride_xm, stride_
     # rsqrt(mean + eps) before the bias and the activation. Together they replace a norm launch.
     # SILU_MUL: the weight is [gate; up] with N rows each, y = silu(x @ gate.T) * (x @ up.T) [M, N];
     # a program streams gate rows `cols` and up rows N + `cols` together.
+    # ROPE (the qkv projection of a decode step, see linear_rope_store): the epilogue rotates q and k
+    # to their positions (RoPE) and writes k and v to their cache slots (and folds k into its page's
+    # bounds with BOUNDS). A rotation pairs columns c and c + D/2 of a head, so the program's lanes
+    # walk "virtual" columns in which the pairs of the q and k heads sit side by side (lane 2i: c,
+    # lane 2i + 1: c + D/2; v columns as they are): COLS is even, so no pair straddles two programs.
     # a program owns COLS <= BLOCK_N columns: the tile's lanes past COLS are masked (no loads)
     lane = tl.arange(0, BLOCK_N)
     cols = tl.program_id(0) * COLS + lane
+    vcols = cols
+    if ROPE:
+        pair = cols // 2
+        half = HEAD_DIM // 2
+        cols = tl.where(cols < Q_SIZE + KV_SIZE, (pair // half) * HEAD_DIM + pair % half + (cols % 2) * half, cols)
     rows = tl.arange(0, BLOCK_M)
     ks = tl.arange(0, BLOCK_K)
-    col_ok = (lane < COLS) & (cols < N)
+    col_ok = (lane < COLS) & (vcols < N)
     row_ok = rows < M
     w_rows = w_ptr + cols[:, None].to(tl.int64) * stride_wn   # int64: N * K passes 2^31 for an LM head
     u_rows = w_rows + N.to(tl.int64) * stride_wn
@@ -152,7 +167,61 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, COLS, stride_xm, stride_
         rf = tl.where(out_ok, r.to(tl.float32), 0.0)
         tl.store(part_ptr + tl.program_id(0) * BLOCK_M + rows, tl.sum(rf * rf, 1))
         acc = tl.load(nw_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :] * rf
-    tl.store(y_ptr + rows[:, None] * stride_ym + cols[None, :], acc.to(ty), mask=out_ok)
+    if ROPE:
+        _rope_store_epilogue(acc.to(ty), rows, row_ok, cols, vcols, out_ok, y_ptr, stride_ym, pos_ptr, cs_ptr,
+                             stride_c, slot_ptr, kc_ptr, vc_ptr, mn_ptr, mx_ptr, stride_kcs, stride_kch,
+                             stride_vcs, stride_vch, stride_mp, stride_mh, Q_SIZE, KV_SIZE, BLOCK_M, BLOCK_N,
+                             HEAD_DIM, PAGE, BOUNDS)
+    else:
+        tl.store(y_ptr + rows[:, None] * stride_ym + cols[None, :], acc.to(ty), mask=out_ok)
+
+
+@jit
+def _rope_store_epilogue(y, rows, row_ok, cols, vcols, out_ok, y_ptr, stride_ym, pos_ptr, cs_ptr, stride_c,
+                         slot_ptr, kc_ptr, vc_ptr, mn_ptr, mx_ptr, stride_kcs, stride_kch, stride_vcs, stride_vch,
+                         stride_mp, stride_mh, Q_SIZE, KV_SIZE, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                         HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BOUNDS: tl.constexpr):
+    """y: [BLOCK_M, BLOCK_N] in the output dtype (rounded where the GEMM alone rounds), lanes in
+    virtual-column order. Rotates the q / k pairs with rope_store's arithmetic (the same bits as the
+    GEMM followed by rope_store), stores y (q, k after RoPE, v) at the real columns and writes k and
+    v to their slots (-1: nowhere)."""
+    HALF = HEAD_DIM // 2
+    R = Q_SIZE + KV_SIZE
+    x1, x2 = tl.split(tl.reshape(y.to(tl.float32), [BLOCK_M, BLOCK_N // 2, 2]))
+    pair_v = tl.reshape(vcols, [BLOCK_N // 2, 2])   # the pair's two virtual columns
+    first_v, _ = tl.split(pair_v)
+    j = (first_v // 2) % HALF                         # the pair's channel in the head's first half
+    pair_rot = first_v < R
+    pos = tl.load(pos_ptr + rows, mask=row_ok, other=0).to(tl.int64)
+    cs_mask = row_ok[:, None] & pair_rot[None, :]
+    cos = tl.load(cs_ptr + pos[:, None] * stride_c + j[None, :], mask=cs_mask, other=1.0).to(tl.float32)
+    sin = tl.load(cs_ptr + pos[:, None] * stride_c + HALF + j[None, :], mask=cs_mask, other=0.0).to(tl.float32)
+    r1 = tl.fma(x1, cos, -(x2 * sin))
+    r2 = tl.fma(x2, cos, x1 * sin)
+    rotated = tl.reshape(tl.join(r1, r2), [BLOCK_M, BLOCK_N])
+    ty = y_ptr.dtype.element_ty
+    out = tl.where((vcols < R)[None, :], rotated, y.to(tl.float32)).to(ty)
+    tl.store(y_ptr + rows[:, None] * stride_ym + cols[None, :], out, mask=out_ok)
+    slot = tl.load(slot_ptr + rows, mask=row_ok, other=-1).to(tl.int64)   # int64: slot * stride passes 2^31
+    write = out_ok & (slot >= 0)[:, None]
+    is_k = (cols >= Q_SIZE) & (cols < R)
+    kcol = cols - Q_SIZE
+    k_dst = slot[:, None] * stride_kcs + (kcol // HEAD_DIM)[None, :] * stride_kch + (kcol % HEAD_DIM)[None, :]
+    k_new = out.to(kc_ptr.dtype.element_ty)
+    tl.store(kc_ptr + k_dst, k_new, mask=write & is_k[None, :])
+    vcol = cols - R
+    v_dst = slot[:, None] * stride_vcs + (vcol // HEAD_DIM)[None, :] * stride_vch + (vcol % HEAD_DIM)[None, :]
+    tl.store(vc_ptr + v_dst, out.to(vc_ptr.dtype.element_ty), mask=write & (cols >= R)[None, :])
+    if BOUNDS:   # decode: no two rows write one page, so a plain read-modify-write is exact
+        page = slot // PAGE
+        first = (slot % PAGE == 0)[:, None]
+        b_dst = page[:, None] * stride_mp + (kcol // HEAD_DIM)[None, :] * stride_mh + (kcol % HEAD_DIM)[None, :]
+        b_ok = write & is_k[None, :]
+        k_b = k_new.to(mn_ptr.dtype.element_ty)
+        old_min = tl.load(mn_ptr + b_dst, mask=b_ok, other=0.0)
+        old_max = tl.load(mx_ptr + b_dst, mask=b_ok, other=0.0)
+        tl.store(mn_ptr + b_dst, tl.where(first, k_b, tl.minimum(old_min, k_b)), mask=b_ok)
+        tl.store(mx_ptr + b_dst, tl.where(first, k_b, tl.maximum(old_max, k_b)), mask=b_ok)
 
 
 def num_sms(device: torch.device) -> int:
@@ -181,7 +250,7 @@ def launch_config(n: int, silu_mul: bool, sms: int) -> tuple[int, int, int, int,
 
 def _skinny(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu_mul: bool,
             add_norm: tuple[torch.Tensor, torch.Tensor] | None = None,
-            row_norm: tuple[torch.Tensor, float] | None = None):
+            row_norm: tuple[torch.Tensor, float] | None = None, rope: dict | None = None):
     N2, K = weight.shape
     N = N2 // 2 if silu_mul else N2
     x2 = x.reshape(-1, K)
@@ -206,6 +275,9 @@ def _skinny(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, si
         parts, eps = row_norm
         num_parts = parts.shape[0]
         assert parts.shape[1] == MAX_ROWS and parts.dtype == torch.float32 and parts.is_contiguous()
+    extra = {}
+    if rope is not None:   # linear_rope_store's arguments
+        extra = _rope_args(rope, M, N, cols)
     on = pdl()
     _skinny_kernel[(grid,)](
         x2, weight, bias if bias is not None else weight, y, M, N, K, cols, x2.stride(0), weight.stride(0), y.stride(0),
@@ -214,7 +286,7 @@ def _skinny(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, si
         HAS_BIAS=bias is not None, SILU_MUL=silu_mul, BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k,
         UPCAST=upcast_loads(x.dtype), DOT_PREC=dot_precision(x.dtype), PDL=on,
         ADD_NORM=add_norm is not None, ROW_NORM=row_norm is not None, BLOCK_P=pow2(num_parts),
-        num_warps=warps, num_stages=stages, **({"launch_pdl": True} if on else {}))
+        num_warps=warps, num_stages=stages, **extra, **({"launch_pdl": True} if on else {}))
     y = y.view(*x.shape[:-1], N)
     if add_norm is not None:
         return y, res_out.view(y.shape), parts
@@ -231,6 +303,64 @@ def skinny_add_norm_triton(x: torch.Tensor, weight: torch.Tensor, residual: torc
                            norm_weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Same contract as skinny_add_norm_ref (parts: a row per program), for at most MAX_ROWS rows."""
     return _skinny(x, weight, None, False, add_norm=(residual, norm_weight))
+
+
+def _rope_args(r: dict, M: int, N: int, cols: int) -> dict:
+    q_size, kv_size, D = r["q_size"], r["kv_size"], r["head_dim"]
+    kc, vc, mn, mx = r["k_cache"], r["v_cache"], r["kmin"], r["kmax"]
+    assert N == q_size + 2 * kv_size and D % 2 == 0 and q_size % D == 0 and kv_size % D == 0 and cols % 2 == 0
+    assert r["positions"].shape == (M,) and r["slot_mapping"].shape == (M,) and r["cos_sin_cache"].shape[-1] == D
+    for t in (kc, vc, r["cos_sin_cache"]):
+        assert t.stride(-1) == 1
+    assert kc.shape[1:] == (kv_size // D, D) and vc.shape[1:] == (kv_size // D, D)
+    bounds = mn is not None
+    if bounds:
+        assert mx is not None and mn.shape == mx.shape and mn.stride() == mx.stride() and mn.shape[1:] == kc.shape[1:]
+    return dict(pos_ptr=r["positions"], cs_ptr=r["cos_sin_cache"], slot_ptr=r["slot_mapping"], kc_ptr=kc, vc_ptr=vc,
+                mn_ptr=mn if bounds else kc, mx_ptr=mx if bounds else kc, stride_c=r["cos_sin_cache"].stride(0),
+                stride_kcs=kc.stride(0), stride_kch=kc.stride(1), stride_vcs=vc.stride(0), stride_vch=vc.stride(1),
+                stride_mp=mn.stride(0) if bounds else 0, stride_mh=mn.stride(1) if bounds else 0,
+                Q_SIZE=q_size, KV_SIZE=kv_size, HEAD_DIM=D, PAGE=int(r["page_size"]), ROPE=True, BOUNDS=bounds)
+
+
+def linear_rope_store_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                          row_norm: tuple[torch.Tensor, float] | None, q_size: int, kv_size: int, head_dim: int,
+                          positions: torch.Tensor, cos_sin_cache: torch.Tensor, k_cache: torch.Tensor,
+                          v_cache: torch.Tensor, slot_mapping: torch.Tensor, kmin: torch.Tensor | None = None,
+                          kmax: torch.Tensor | None = None, page_size: int = 1) -> torch.Tensor:
+    """The qkv projection of a decode step with RoPE and the KV write: x [T, K], weight [q_size +
+    2 kv_size, K] -> qkv [T, N] with q and k rotated to `positions`; k (after RoPE) and v are
+    written to their slots (and folded into kmin / kmax) as rope_store does. The GEMM, then
+    rope_store."""
+    y = skinny_linear_ref(x, weight, bias, row_norm)
+    T = y.shape[0]
+    q, k, v = y.split([q_size, kv_size, kv_size], dim=-1)
+    q, k = rope_store_ref(q.reshape(T, -1, head_dim), k.reshape(T, -1, head_dim), v.reshape(T, -1, head_dim),
+                          positions, cos_sin_cache, k_cache, v_cache, slot_mapping, kmin, kmax, page_size)
+    return torch.cat([q.reshape(T, q_size), k.reshape(T, kv_size), v], dim=-1)
+
+
+def linear_rope_store_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                             row_norm: tuple[torch.Tensor, float] | None, q_size: int, kv_size: int, head_dim: int,
+                             positions: torch.Tensor, cos_sin_cache: torch.Tensor, k_cache: torch.Tensor,
+                             v_cache: torch.Tensor, slot_mapping: torch.Tensor, kmin: torch.Tensor | None = None,
+                             kmax: torch.Tensor | None = None, page_size: int = 1) -> torch.Tensor:
+    """Same contract as linear_rope_store_ref, in one launch (at most MAX_ROWS rows): the skinny GEMM
+    whose epilogue rotates q / k and writes the cache (see _rope_store_epilogue)."""
+    rope = dict(q_size=q_size, kv_size=kv_size, head_dim=head_dim, positions=positions, cos_sin_cache=cos_sin_cache,
+                k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping, kmin=kmin, kmax=kmax,
+                page_size=page_size)
+    return _skinny(x, weight, bias, False, row_norm=row_norm, rope=rope)
+
+
+def linear_rope_store(x, weight, bias, row_norm, q_size, kv_size, head_dim, positions, cos_sin_cache, k_cache,
+                      v_cache, slot_mapping, kmin=None, kmax=None, page_size=1) -> torch.Tensor | None:
+    """linear_rope_store_triton where the skinny kernel takes the shape (a decode step on the GPU),
+    else None: the caller projects and stores separately."""
+    if not takes(x, weight):
+        return None
+    return linear_rope_store_triton(x, weight, bias, row_norm, q_size, kv_size, head_dim, positions, cos_sin_cache,
+                                    k_cache, v_cache, slot_mapping, kmin, kmax, page_size)
 
 
 def skinny_silu_mul_ref(x: torch.Tensor, weight: torch.Tensor,

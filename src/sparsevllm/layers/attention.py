@@ -1,16 +1,22 @@
 """The generic attention layer: the same code for every sparse method.
 
-project (model) -> store_kv (RoPE + the cache write) -> on_kv_stored -> prefill
+project (model) -> store_kv (RoPE + the cache write; on decode steps the model's qkv projection
+does it instead where the cache manager's store_target names the cache) -> on_kv_stored -> prefill
 (observe_prefill_queries, then attention over prefill_view), or decode over build_decode_view.
 Method behaviour enters only through those cache-manager hooks.
 """
+import os
+
 import torch
 from torch import nn
 
+from sparsevllm.engine.step import StoreTarget
 from sparsevllm.forward_context import get_forward_context
 from sparsevllm.kernels.decode_attention import decode_attention
 from sparsevllm.kernels.prefill_attention import prefill_attention
 from sparsevllm.layers.rotary_embedding import RotaryEmbedding
+
+FUSED_ROPE_STORE = os.environ.get("SPARSEVLLM_FUSED_ROPE_STORE", "1") != "0"
 
 
 class Attention(nn.Module):
@@ -22,11 +28,22 @@ class Attention(nn.Module):
         self.scale = scale
         self.rope = rope
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q: [T, H_q, D], k/v: [T, H_kv, D] before RoPE -> [T, H_q, D]."""
+    def store_target(self) -> StoreTarget | None:
+        """Where this layer's qkv projection may rotate and write K/V itself on a decode step (the
+        GEMM's epilogue, one launch fewer than projecting and then store_kv), or None. The cache
+        manager names it (store_target); SPARSEVLLM_FUSED_ROPE_STORE=0 always says None (A/B)."""
+        ctx = get_forward_context()
+        if not FUSED_ROPE_STORE or ctx.step.is_prefill:
+            return None
+        return ctx.cache_manager.store_target(self.layer_id, ctx.step)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, stored: bool = False) -> torch.Tensor:
+        """q: [T, H_q, D], k/v: [T, H_kv, D] before RoPE -> [T, H_q, D]. stored: the projection
+        already rotated q, k and wrote k, v where store_target said."""
         ctx = get_forward_context()
         step, cm = ctx.step, ctx.cache_manager
-        q, k = cm.store_kv(self.layer_id, q, k, v, self.rope.cos_sin_cache, step)
+        if not stored:
+            q, k = cm.store_kv(self.layer_id, q, k, v, self.rope.cos_sin_cache, step)
         cm.on_kv_stored(self.layer_id, k, v, step)
         if step.is_prefill:
             cm.observe_prefill_queries(self.layer_id, q, step)

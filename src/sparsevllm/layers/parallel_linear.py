@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from sparsevllm.distributed import tp_rank, tp_size
-from sparsevllm.kernels.skinny_gemm import linear, linear_silu_mul, skinny_add_norm_triton, takes
+from sparsevllm.kernels.skinny_gemm import linear, linear_rope_store, linear_silu_mul, skinny_add_norm_triton, takes
 
 
 # SPARSEVLLM_FUSED_NORM=0 keeps the norms as their own launches (to measure what the fusion brings).
@@ -84,6 +84,14 @@ class QKVParallelLinear(ColumnParallelLinear):
         self.q_size = num_heads // tp * head_dim
         self.kv_size = num_kv_heads // tp * head_dim
         super().__init__(hidden, (num_heads + 2 * num_kv_heads) * head_dim, bias)
+
+    def rope_store(self, x, row_norm, target, cos_sin_cache: torch.Tensor, head_dim: int) -> torch.Tensor | None:
+        """This rank's qkv with q and k after RoPE, k and v already written where `target` (a
+        StoreTarget) says, in the GEMM's launch; None where the fused kernel does not take the step
+        (then project and store separately)."""
+        return linear_rope_store(x, self.weight, self.bias, row_norm, self.q_size, self.kv_size, head_dim,
+                                 target.positions, cos_sin_cache, target.k_cache, target.v_cache,
+                                 target.slot_mapping, target.kmin, target.kmax, target.page_size)
 
     def weight_loader(self, param, loaded, shard_id: int):
         n = (self.q_size, self.kv_size, self.kv_size)[shard_id]

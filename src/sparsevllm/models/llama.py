@@ -31,14 +31,22 @@ class DecoderAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, row_norm, residual: torch.Tensor, norm: RMSNorm):
         """-> norm(o_proj(attention) + residual) as RowParallelLinear.add_norm returns it."""
-        q, k, v = self.qkv_proj(x, row_norm).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        # Decode: the qkv GEMM may rotate q / k and write the cache in its epilogue (not with q/k
+        # norms, which come between the projection and RoPE).
+        target = self.attn.store_target() if self.q_norm is None else None
+        qkv = self.qkv_proj.rope_store(x, row_norm, target, self.attn.rope.cos_sin_cache, self.head_dim) \
+            if target is not None else None
+        stored = qkv is not None
+        if not stored:
+            qkv = self.qkv_proj(x, row_norm)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q = self.q_norm(q.reshape(-1, self.head_dim)).view_as(q)
             k = self.k_norm(k.reshape(-1, self.head_dim)).view_as(k)
-        o = self.attn(q, k, v)   # RoPE at the step's positions happens there, fused with the cache write
+        o = self.attn(q, k, v, stored)   # else RoPE at the step's positions happens there, fused with the cache write
         return self.o_proj.add_norm(o.reshape(-1, self.q_size), residual, norm)
 
 

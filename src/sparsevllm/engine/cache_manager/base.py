@@ -7,7 +7,8 @@ Who calls what, and when (`LLMEngine.step` shows the whole lifecycle in one plac
   `on_step_end` (eviction / compaction after the forward), then `commit` for every request of the
   step (counters advance, full raw pages are named for the prefix cache);
 - inside the forward the generic Attention calls, per layer: `store_kv` (RoPE + the write into the
-  cache), `on_kv_stored`, then `observe_prefill_queries` + `prefill_view` (prefill) or
+  cache; on decode steps the model's qkv projection may do it instead, where `store_target` names
+  the cache), `on_kv_stored`, then `observe_prefill_queries` + `prefill_view` (prefill) or
   `build_decode_view` (decode).
 Under overlapped scheduling the host runs all of this for step t + 1 while the GPU still runs step t:
 `on_step_end` and `commit` see the counters of every step launched so far, and a request's newest
@@ -34,7 +35,7 @@ from sparsevllm.config import EngineConfig, MethodConfig
 from sparsevllm.engine.kv_pool import KVPool, PageAllocator, PageTables
 from sparsevllm.engine.sequence import Sequence
 from sparsevllm.engine.staging import HostStaging
-from sparsevllm.engine.step import DecodeView, PrefillView, StepState
+from sparsevllm.engine.step import DecodeView, PrefillView, StepState, StoreTarget
 from sparsevllm.kernels.rope_store import rope_store
 from sparsevllm.models.config import ModelConfig
 
@@ -228,6 +229,16 @@ class CacheManager:
         kernel. q, k arrive before RoPE; returns (q, k) after it."""
         k_cache, v_cache = self.pool.layer(layer_id)
         return rope_store(q, k, v, step.positions, cos_sin_cache, k_cache, v_cache, step.slot_mapping)
+
+    def store_target(self, layer_id: int, step: StepState) -> StoreTarget | None:
+        """Where a decode step's projection may write K/V itself instead of `store_kv` (RoPE and the
+        write in the qkv GEMM's epilogue: one launch a layer fewer), or None to keep `store_kv`.
+        The write must be exactly what `store_kv` would do; a manager that overrides `store_kv`
+        gets None here unless it overrides this too. Dense: the pool layer and the step's slots."""
+        if step.is_prefill or type(self).store_kv is not CacheManager.store_kv:
+            return None
+        k_cache, v_cache = self.pool.layer(layer_id)
+        return StoreTarget(k_cache, v_cache, step.slot_mapping, step.positions)
 
     def on_kv_stored(self, layer_id: int, k: torch.Tensor, v: torch.Tensor, step: StepState) -> None:
         """Update method metadata after the write (k after RoPE). Dense: nothing."""

@@ -41,7 +41,7 @@ from sparsevllm.distributed import combine_shared_scores
 from sparsevllm.engine.cache_manager.base import CacheManager, Capabilities
 from sparsevllm.engine.sequence import Sequence
 from sparsevllm.engine.staging import to_device
-from sparsevllm.engine.step import DecodeView, StepState
+from sparsevllm.engine.step import DecodeView, StepState, StoreTarget
 from sparsevllm.kernels.quest import SELECTIONS, page_minmax, quest_scores, select_pages, store_and_score
 from sparsevllm.kernels.rope_store import rope_store
 from sparsevllm.models.config import ModelConfig
@@ -172,6 +172,18 @@ class QuestCacheManager(CacheManager):
         k_cache, v_cache = self.pool.layer(layer_id)
         return rope_store(q, k, v, step.positions, cos_sin_cache, k_cache, v_cache, step.slot_mapping,
                           self.kmin[i], self.kmax[i], self.page_size)
+
+    def store_target(self, layer_id: int, step: StepState) -> StoreTarget | None:
+        """What store_kv writes: dense layers the pool alone; sparse layers also fold the new key into
+        its page's bounds, unless the scoring launch stores the token itself (FUSED_STORE: None)."""
+        if step.is_prefill or (FUSED_STORE and self._scores(layer_id, step)):
+            return None
+        k_cache, v_cache = self.pool.layer(layer_id)
+        if layer_id < self.skip_layers:
+            return StoreTarget(k_cache, v_cache, step.slot_mapping, step.positions)
+        i = layer_id - self.skip_layers
+        return StoreTarget(k_cache, v_cache, step.slot_mapping, step.positions, self.kmin[i], self.kmax[i],
+                           self.page_size)
 
     def on_kv_stored(self, layer_id: int, k: torch.Tensor, v: torch.Tensor, step: StepState) -> None:
         if layer_id < self.skip_layers or not step.is_prefill:
