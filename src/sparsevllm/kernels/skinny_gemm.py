@@ -256,7 +256,8 @@ def launch_config(n: int, silu_mul: bool, sms: int) -> tuple[int, int, int, int,
 
 def _skinny(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu_mul: bool,
             add_norm: tuple[torch.Tensor, torch.Tensor] | None = None,
-            row_norm: tuple[torch.Tensor, float] | None = None, rope: dict | None = None):
+            row_norm: tuple[torch.Tensor, float] | None = None, epilogue: dict | None = None):
+    """epilogue: the RoPE + store epilogue's kernel arguments (linear_rope_store_triton)."""
     N2, K = weight.shape
     N = N2 // 2 if silu_mul else N2
     x2 = x.reshape(-1, K)
@@ -281,9 +282,7 @@ def _skinny(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, si
         parts, eps = row_norm
         num_parts = parts.shape[0]
         assert parts.shape[1] == MAX_ROWS and parts.dtype == torch.float32 and parts.is_contiguous()
-    extra = {}
-    if rope is not None:   # linear_rope_store's arguments
-        extra = _rope_args(rope, M, N, cols)
+    assert epilogue is None or cols % 2 == 0, "a program must hold whole rotation pairs"
     on = pdl()
     _skinny_kernel[(grid,)](
         x2, weight, bias if bias is not None else weight, y, M, N, K, cols, x2.stride(0), weight.stride(0), y.stride(0),
@@ -292,7 +291,7 @@ def _skinny(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, si
         HAS_BIAS=bias is not None, SILU_MUL=silu_mul, BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k,
         UPCAST=upcast_loads(x.dtype), DOT_PREC=dot_precision(x.dtype), PDL=on,
         ADD_NORM=add_norm is not None, ROW_NORM=row_norm is not None, BLOCK_P=pow2(num_parts),
-        num_warps=warps, num_stages=stages, **extra, **({"launch_pdl": True} if on else {}))
+        num_warps=warps, num_stages=stages, **(epilogue or {}), **({"launch_pdl": True} if on else {}))
     y = y.view(*x.shape[:-1], N)
     if add_norm is not None:
         return y, res_out.view(y.shape), parts
@@ -309,24 +308,6 @@ def skinny_add_norm_triton(x: torch.Tensor, weight: torch.Tensor, residual: torc
                            norm_weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Same contract as skinny_add_norm_ref (parts: a row per program), for at most MAX_ROWS rows."""
     return _skinny(x, weight, None, False, add_norm=(residual, norm_weight))
-
-
-def _rope_args(r: dict, M: int, N: int, cols: int) -> dict:
-    q_size, kv_size, D = r["q_size"], r["kv_size"], r["head_dim"]
-    kc, vc, mn, mx = r["k_cache"], r["v_cache"], r["kmin"], r["kmax"]
-    assert N == q_size + 2 * kv_size and D % 2 == 0 and q_size % D == 0 and kv_size % D == 0 and cols % 2 == 0
-    assert r["positions"].shape == (M,) and r["slot_mapping"].shape == (M,) and r["cos_sin_cache"].shape[-1] == D
-    for t in (kc, vc, r["cos_sin_cache"]):
-        assert t.stride(-1) == 1
-    assert kc.shape[1:] == (kv_size // D, D) and vc.shape[1:] == (kv_size // D, D)
-    bounds = mn is not None
-    if bounds:
-        assert mx is not None and mn.shape == mx.shape and mn.stride() == mx.stride() and mn.shape[1:] == kc.shape[1:]
-    return dict(pos_ptr=r["positions"], cs_ptr=r["cos_sin_cache"], slot_ptr=r["slot_mapping"], kc_ptr=kc, vc_ptr=vc,
-                mn_ptr=mn if bounds else kc, mx_ptr=mx if bounds else kc, stride_c=r["cos_sin_cache"].stride(0),
-                stride_kcs=kc.stride(0), stride_kch=kc.stride(1), stride_vcs=vc.stride(0), stride_vch=vc.stride(1),
-                stride_mp=mn.stride(0) if bounds else 0, stride_mh=mn.stride(1) if bounds else 0,
-                Q_SIZE=q_size, KV_SIZE=kv_size, HEAD_DIM=D, PAGE=int(r["page_size"]), ROPE=True, BOUNDS=bounds)
 
 
 def linear_rope_store_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -353,10 +334,23 @@ def linear_rope_store_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.
                              kmax: torch.Tensor | None = None, page_size: int = 1) -> torch.Tensor:
     """Same contract as linear_rope_store_ref, in one launch (at most MAX_ROWS rows): the skinny GEMM
     whose epilogue rotates q / k and writes the cache (see _rope_store_epilogue)."""
-    rope = dict(q_size=q_size, kv_size=kv_size, head_dim=head_dim, positions=positions, cos_sin_cache=cos_sin_cache,
-                k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping, kmin=kmin, kmax=kmax,
-                page_size=page_size)
-    return _skinny(x, weight, bias, False, row_norm=row_norm, rope=rope)
+    D, T = head_dim, x.numel() // x.shape[-1]
+    assert weight.shape[0] == q_size + 2 * kv_size and D % 2 == 0 and q_size % D == 0 and kv_size % D == 0
+    assert positions.shape == (T,) and slot_mapping.shape == (T,) and cos_sin_cache.shape[-1] == D
+    assert k_cache.shape[1:] == (kv_size // D, D) and v_cache.shape[1:] == (kv_size // D, D)
+    for t in (k_cache, v_cache, cos_sin_cache):
+        assert t.stride(-1) == 1
+    bounds = kmin is not None
+    if bounds:
+        assert kmax is not None and kmin.shape == kmax.shape and kmin.stride() == kmax.stride()
+        assert kmin.shape[1:] == k_cache.shape[1:]
+    mn, mx = (kmin, kmax) if bounds else (k_cache, k_cache)   # unused without bounds
+    epilogue = dict(pos_ptr=positions, cs_ptr=cos_sin_cache, slot_ptr=slot_mapping, kc_ptr=k_cache, vc_ptr=v_cache,
+                    mn_ptr=mn, mx_ptr=mx, stride_c=cos_sin_cache.stride(0), stride_kcs=k_cache.stride(0),
+                    stride_kch=k_cache.stride(1), stride_vcs=v_cache.stride(0), stride_vch=v_cache.stride(1),
+                    stride_mp=mn.stride(0), stride_mh=mn.stride(1), Q_SIZE=q_size, KV_SIZE=kv_size, HEAD_DIM=D,
+                    PAGE=int(page_size), ROPE=True, BOUNDS=bounds)
+    return _skinny(x, weight, bias, False, row_norm=row_norm, epilogue=epilogue)
 
 
 def linear_rope_store(x, weight, bias, row_norm, q_size, kv_size, head_dim, positions, cos_sin_cache, k_cache,

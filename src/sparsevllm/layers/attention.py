@@ -32,9 +32,9 @@ class Attention(nn.Module):
         """Where this layer's qkv projection may rotate and write K/V itself on a decode step (the
         GEMM's epilogue, one launch fewer than projecting and then store_kv), or None. The cache
         manager names it (store_target); SPARSEVLLM_FUSED_ROPE_STORE=0 always says None (A/B)."""
-        ctx = get_forward_context()
-        if not FUSED_ROPE_STORE or ctx.step.is_prefill:
+        if not FUSED_ROPE_STORE:
             return None
+        ctx = get_forward_context()
         return ctx.cache_manager.store_target(self.layer_id, ctx.step)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, stored: bool = False) -> torch.Tensor:

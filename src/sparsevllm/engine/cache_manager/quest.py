@@ -168,10 +168,9 @@ class QuestCacheManager(CacheManager):
             return q_out, k_out
         # Decode writes one token per request into a page no other request writes: the write
         # itself folds the new key into its page's min/max (the page's first slot resets them).
-        i = layer_id - self.skip_layers
-        k_cache, v_cache = self.pool.layer(layer_id)
-        return rope_store(q, k, v, step.positions, cos_sin_cache, k_cache, v_cache, step.slot_mapping,
-                          self.kmin[i], self.kmax[i], self.page_size)
+        t = self.store_target(layer_id, step)
+        return rope_store(q, k, v, t.positions, cos_sin_cache, t.k_cache, t.v_cache, t.slot_mapping, t.kmin, t.kmax,
+                          t.page_size)
 
     def store_target(self, layer_id: int, step: StepState) -> StoreTarget | None:
         """What store_kv writes: dense layers the pool alone; sparse layers also fold the new key into
