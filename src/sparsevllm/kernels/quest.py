@@ -424,8 +424,9 @@ def _select_pages_kernel(score_ptr, table_ptr, len_ptr, out_ptr, out_len_ptr,
     # previous step's threshold instead of the max saves about one pass: it moves 11% (median)
     # from step to step on those rows. Measured on the H200 after the scoring kernel at 128K x 4
     # (4 x 8 rows of 8,016 pages, 8 warps): launch 1.4 us, + loads and max 3.0, + search 8.75,
-    # + scan and writes 11.4, so a pass costs ~0.8 us. Two replacements measured slower and were
-    # dropped: a 64..256-bin tl.histogram a pass (2 passes, 15.9 us alone against 12.4) and
+    # + scan and writes 11.4, so a pass costs ~0.8 us (~7 passes). Two replacements measured slower
+    # and were dropped: a 64-bin tl.histogram a pass (~2 passes, 15.9 us alone against 12.4; 128 and
+    # 256 bins slower still) and
     # interpolated cut points (~0.6 fewer passes, 11.6 us against 11.1 after the scores: the
     # division and the extra scalar work cost more than the passes saved).
     k = NUM_PAGES - 1
