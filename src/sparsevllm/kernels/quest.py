@@ -428,7 +428,10 @@ def _select_pages_kernel(score_ptr, table_ptr, len_ptr, out_ptr, out_len_ptr,
     # and were dropped: a 64-bin tl.histogram a pass (~2 passes, 15.9 us alone against 12.4; 128 and
     # 256 bins slower still) and
     # interpolated cut points (~0.6 fewer passes, 11.6 us against 11.1 after the scores: the
-    # division and the extra scalar work cost more than the passes saved).
+    # division and the extra scalar work cost more than the passes saved). Also slower: 3 or 4 cut
+    # points a pass, counted in 16-bit fields of one int64 sum (~1.1 / ~1.8 fewer passes; 12.4 / 14.0
+    # us after the scores against 11.0: an int64 reduction a pass costs more than the passes it
+    # saves), and no faster: a multiply and a shift for the int64 divisions (11.2).
     k = NUM_PAGES - 1
     top = tl.max(key, 0).to(tl.int64) + 1
     lo = tl.full((), -2147483648, tl.int64)   # int64 scalars: the cut points' arithmetic must not wrap
