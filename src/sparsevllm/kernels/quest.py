@@ -429,7 +429,7 @@ def _select_pages_kernel(score_ptr, table_ptr, len_ptr, out_ptr, out_len_ptr,
     # 256 bins slower still) and
     # interpolated cut points (~0.6 fewer passes, 11.6 us against 11.1 after the scores: the
     # division and the extra scalar work cost more than the passes saved). Also slower: 3 or 4 cut
-    # points a pass, counted in 16-bit fields of one int64 sum (~1.1 / ~1.8 fewer passes; 12.4 / 14.0
+    # points a pass, counted in 16-bit fields of one int64 sum (~1.1 / 1.6-2.8 fewer passes; 12.4 / 14.0
     # us after the scores against 11.0: an int64 reduction a pass costs more than the passes it
     # saves), and no faster: a multiply and a shift for the int64 divisions (11.2).
     k = NUM_PAGES - 1
