@@ -424,14 +424,12 @@ def _select_pages_kernel(score_ptr, table_ptr, len_ptr, out_ptr, out_len_ptr,
     # previous step's threshold instead of the max saves about one pass: it moves 11% (median)
     # from step to step on those rows. Measured on the H200 after the scoring kernel at 128K x 4
     # (4 x 8 rows of 8,016 pages, 8 warps): launch 1.4 us, + loads and max 3.0, + search 8.75,
-    # + scan and writes 11.4, so a pass costs ~0.8 us (~7 passes). Two replacements measured slower
-    # and were dropped: a 64-bin tl.histogram a pass (~2 passes, 15.9 us alone against 12.4; 128 and
-    # 256 bins slower still) and
-    # interpolated cut points (~0.6 fewer passes, 11.6 us against 11.1 after the scores: the
-    # division and the extra scalar work cost more than the passes saved). Also slower: 3 or 4 cut
-    # points a pass, counted in 16-bit fields of one int64 sum (~1.1 / 1.6-2.8 fewer passes; 12.4 / 14.0
-    # us after the scores against 11.0: an int64 reduction a pass costs more than the passes it
-    # saves), and no faster: a multiply and a shift for the int64 divisions (11.2).
+    # + scan and writes 11.4, so a pass costs ~0.8 us (~7 passes). Measured no faster and dropped:
+    # a 64-bin tl.histogram a pass (~2 passes; 15.9 us alone against 12.4, 128 / 256 bins slower
+    # still); interpolated cut points (~0.6 fewer passes; 11.6 us after the scores against 11.1);
+    # 3 or 4 cut points a pass counted in one int64 sum (~1.1 / 1.6-2.8 fewer passes; 12.4 / 14.0
+    # against 11.0); a multiply and a shift for the int64 divisions (11.2). The scalar work and the
+    # wider reductions cost more than the passes they save.
     k = NUM_PAGES - 1
     top = tl.max(key, 0).to(tl.int64) + 1
     lo = tl.full((), -2147483648, tl.int64)   # int64 scalars: the cut points' arithmetic must not wrap
