@@ -134,3 +134,17 @@ def test_cli_prints_errors_without_a_traceback_and_shows_defaults(tiny_model):
     assert out.returncode == 2 and "unknown vllm_sparse_method 'nosuch'" in out.stderr
     assert "Traceback" not in out.stderr
     assert "(default: 32)" in cli("--help").stdout
+
+
+def test_out_of_range_logprobs_and_stop_token_ids_fail_alone(tiny_model):
+    """A top-k larger than the vocabulary or a stop token id outside it once failed in the sampler,
+    taking down the whole step and leaving the request in the engine for every later call."""
+    llm = LLM(tiny_model("llama"), max_model_len=64)   # vocabulary of 256
+    ok = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    bad = [ok.clone(logprobs=1000), ok.clone(prompt_logprobs=257), ok.clone(min_tokens=2, stop_token_ids=[10**6])]
+    outs = llm.generate([[5, 6, 7]] * 4, bad + [ok], use_tqdm=False)
+    assert [o.outputs[0].finish_reason for o in outs] == ["error"] * 3 + ["length"]
+    assert "logprobs=1000" in outs[0].error and "prompt_logprobs=257" in outs[1].error
+    assert "stop_token_ids" in outs[2].error
+    assert len(llm.generate([[5, 6]], ok.clone(logprobs=256), use_tqdm=False)[0].outputs[0].logprobs) == 3
+    assert llm.engine.cache_manager.allocator.is_idle() and not llm.engine.has_work()

@@ -195,6 +195,13 @@ class LLMEngine:
             return method_error
         if min(token_ids) < 0 or max(token_ids) >= vocab:
             return f"prompt token ids must be in [0, {vocab}) for this model"
+        # Checked here, not in the sampler: a step that fails fails every request it runs.
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(params, name)
+            if k is not None and k > vocab:
+                return f"SamplingParams.{name}={k} exceeds the model's vocabulary of {vocab} tokens"
+        if any(t >= vocab for t in params.stop_token_ids):
+            return f"SamplingParams.stop_token_ids must be token ids in [0, {vocab}) for this model"
         if params.stop and self.tokenizer is None:
             return "stop strings need a tokenizer, and this model folder has none; use stop_token_ids"
         return None
