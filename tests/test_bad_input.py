@@ -148,3 +148,26 @@ def test_out_of_range_logprobs_and_stop_token_ids_fail_alone(tiny_model):
     assert "stop_token_ids" in outs[2].error
     assert len(llm.generate([[5, 6]], ok.clone(logprobs=256), use_tqdm=False)[0].outputs[0].logprobs) == 3
     assert llm.engine.cache_manager.allocator.is_idle() and not llm.engine.has_work()
+
+
+def test_a_generate_call_that_raises_leaves_no_request_behind(tiny_model):
+    """vLLM's rule: requests queued before the error are aborted, not run (and their pages held)
+    inside the next call."""
+    llm = LLM(tiny_model("llama"), max_model_len=64)
+    sp = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    with pytest.raises(ValueError, match="no tokenizer"):
+        llm.generate([[5, 6, 7], "a string, and this model has no tokenizer"], sp, use_tqdm=False)
+    assert not llm.engine.has_work() and llm.engine.cache_manager.allocator.is_idle()
+    forward, calls = llm.engine.model_runner.forward, []
+
+    def failing_forward(*args):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("device lost")
+        return forward(*args)
+    llm.engine.model_runner.forward = failing_forward
+    with pytest.raises(RuntimeError, match="device lost"):
+        llm.generate([[5, 6, 7], [8, 9]], sp, use_tqdm=False)
+    assert not llm.engine.has_work() and llm.engine.cache_manager.allocator.is_idle()
+    out = llm.generate([[5, 6, 7]], sp, use_tqdm=False)[0]
+    assert out.outputs[0].finish_reason == "length" and len(out.outputs[0].token_ids) == 3

@@ -59,9 +59,22 @@ class LLM:
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
-        seqs = [self.engine.add_request(p, sp) for p, sp in zip(prompts, params)]
-        self.engine.run(seqs, use_tqdm)
+        seqs = []
+        try:
+            for p, sp in zip(prompts, params):
+                seqs.append(self.engine.add_request(p, sp))
+            self.engine.run(seqs, use_tqdm)
+        except BaseException:
+            self._abort(seqs)
+            raise
         return [self.engine.output(s) for s in seqs]
+
+    def _abort(self, seqs) -> None:
+        """A call that raises (a bad prompt after good ones, a failed step, Ctrl-C) leaves none of its
+        requests behind: queued, they would hold pages and run inside the next call."""
+        for seq in seqs:
+            self.engine.abort(seq)
+        self.engine.reset_in_flight()
 
     def chat(self, messages, sampling_params=None, use_tqdm: bool = True) -> list[RequestOutput]:
         """messages: one conversation (a list of {"role", "content"} dicts) or a list of them."""
@@ -81,12 +94,16 @@ class LLM:
         if len(continuations) != len(prompts) or any(len(c) < 1 for c in continuations):
             raise ValueError("teacher_forced_logprobs needs one non-empty continuation per prompt")
         seqs = []
-        for prompt, cont in zip(prompts, continuations):
-            sp = SamplingParams(temperature=0.0, max_tokens=len(cont), ignore_eos=True)
-            seq = self.engine.add_request(prompt, sp)
-            seq.forced_token_ids, seq.full_logprobs = list(cont), []
-            seqs.append(seq)
-        self.engine.run(seqs, use_tqdm, desc="teacher forcing")
+        try:
+            for prompt, cont in zip(prompts, continuations):
+                sp = SamplingParams(temperature=0.0, max_tokens=len(cont), ignore_eos=True)
+                seq = self.engine.add_request(prompt, sp)
+                seq.forced_token_ids, seq.full_logprobs = list(cont), []
+                seqs.append(seq)
+            self.engine.run(seqs, use_tqdm, desc="teacher forcing")
+        except BaseException:
+            self._abort(seqs)
+            raise
         for s in seqs:
             if s.error:
                 raise ValueError(f"teacher forcing failed: {s.error}")
