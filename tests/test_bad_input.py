@@ -171,3 +171,14 @@ def test_a_generate_call_that_raises_leaves_no_request_behind(tiny_model):
     assert not llm.engine.has_work() and llm.engine.cache_manager.allocator.is_idle()
     out = llm.generate([[5, 6, 7]], sp, use_tqdm=False)[0]
     assert out.outputs[0].finish_reason == "length" and len(out.outputs[0].token_ids) == 3
+
+
+def test_seeds_at_the_ends_of_the_generators_range(tiny_model):
+    """n samples seed their generators seed, seed + 1, ...: at 2**64 - 1 the second once overflowed
+    torch's generator after the first sample was queued, which then stayed in the engine."""
+    llm = LLM(tiny_model("llama"), max_model_len=64)
+    for seed in (2**64 - 1, -2**63):
+        out = llm.generate([[5, 6, 7]], SamplingParams(n=2, seed=seed, max_tokens=3, ignore_eos=True),
+                           use_tqdm=False)[0]
+        assert [o.finish_reason for o in out.outputs] == ["length", "length"]
+    assert not llm.engine.has_work() and llm.engine.cache_manager.allocator.is_idle()

@@ -207,3 +207,39 @@ def test_latency_histogram_counts_like_a_naive_count():
         h.observe(v)
     assert h.counts == [sum(v <= le for v in values) for le in h.bounds]
     assert h.count == len(values) and abs(h.sum - sum(values)) < 1e-9
+
+
+# ---------------------------------------------------------------- a tiny model with a tokenizer (fast)
+
+@pytest.fixture(scope="module")
+def tiny_server(tmp_path_factory):
+    """A 2-layer random Llama with a small BPE tokenizer and a ChatML template, served without a key."""
+    import os
+    import sys
+    sys.path.insert(0, os.path.dirname(__file__))
+    from test_regression_fixtures import build_tiny_llama
+    llm = LLM(build_tiny_llama(str(tmp_path_factory.mktemp("tinytok")), max_position_embeddings=256), device="cpu")
+    async_llm = AsyncLLM(llm.engine)
+    port = free_port()
+    srv = uvicorn.Server(uvicorn.Config(build_app(async_llm, "tiny"), host="127.0.0.1", port=port,
+                                        log_level="warning"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    while not srv.started:
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{port}", llm
+    srv.should_exit = True
+    thread.join(timeout=30)
+    async_llm.shutdown()
+
+
+def post(url: str, body: dict) -> tuple[int, dict | str]:
+    code, text = http("POST", url, json.dumps(body), key=None)
+    return code, (json.loads(text) if text.startswith("{") else text)
+
+
+def test_a_seed_beyond_the_generators_range_is_a_400(tiny_server):
+    url, llm = tiny_server
+    code, body = post(url + "/v1/completions", {"prompt": "hi", "max_tokens": 2, "seed": 2**70})
+    assert code == 400 and "seed" in body["error"]["message"], body
+    assert idle(llm.engine)

@@ -72,7 +72,9 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             need(_is_number(getattr(self, name)) and -2.0 <= getattr(self, name) <= 2.0, name,
                  "a number in [-2, 2] (0 = off)")
-        need(self.seed is None or _is_int(self.seed), "seed", "None or an integer")
+        # torch.Generator.manual_seed's range; beyond it the engine failed while queueing the request
+        need(self.seed is None or (_is_int(self.seed) and -2**63 <= self.seed < 2**64), "seed",
+             "None or an integer in [-2**63, 2**64)")
         need(isinstance(self.skip_special_tokens, bool), "skip_special_tokens", "a bool")
 
     @property

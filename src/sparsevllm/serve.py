@@ -178,7 +178,10 @@ def build_app(llm: AsyncLLM, model_name: str, api_key: str | None = None):
 
     async def first_output(gen):
         """The first snapshot; a request the engine refused (prompt too long, ...) is a 400."""
-        out = await gen.__anext__()
+        try:
+            out = await gen.__anext__()
+        except (ValueError, TypeError) as e:   # add_request refused it: the client's error, not a 500
+            raise APIError(400, str(e)) from None
         if out.error and not out.outputs[0].token_ids:
             raise APIError(400, out.error, "prompt")
         return out

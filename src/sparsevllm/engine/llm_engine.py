@@ -156,9 +156,10 @@ class LLMEngine:
         text = prompt if isinstance(prompt, str) else None
         seq = Sequence(token_ids, params, arrival_time=now, prompt=text)
         # The other samples prefill only what the first one's prompt pages do not hold. Each gets
-        # its own seed when the request has one, so the samples differ and still reproduce.
+        # its own seed when the request has one, so the samples differ and still reproduce (modulo
+        # 2**64, the generator's range: torch takes a negative seed modulo 2**64 too).
         children = [Sequence(token_ids, params.clone(n=1, prompt_logprobs=None,
-                                                     seed=None if params.seed is None else params.seed + i),
+                                                     seed=None if params.seed is None else (params.seed + i) % 2**64),
                              arrival_time=now, prompt=text) for i in range(1, params.n)]
         seq.group = [seq] + children
         for child in children:
