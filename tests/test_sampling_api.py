@@ -192,3 +192,28 @@ def test_min_tokens_holds_back_eos_and_stop_tokens(tiny):
     held = llm.generate([p], SamplingParams(temperature=0.0, max_tokens=12, min_tokens=6,
                                             stop_token_ids=[free[3]]), use_tqdm=False)[0].outputs[0]
     assert len(held.token_ids) >= 6 and free[1] not in held.token_ids[:6] and free[3] not in held.token_ids[:6]
+
+
+def test_a_stop_string_before_min_tokens_does_not_cut_the_output_later():
+    """vLLM checks stop strings from min_tokens on, in the text each new token adds. The first
+    search at min_tokens once covered the whole output and cut it at an earlier occurrence."""
+    from sparsevllm.engine.output_processor import OutputProcessor
+    from sparsevllm.engine.sequence import Sequence
+
+    class Letters:   # token id i decodes to the letter chr(ord("a") + i)
+        def decode(self, ids, skip_special_tokens=True):
+            return "".join(chr(ord("a") + i) for i in ids)
+
+    def run(params, tokens):
+        proc, seq = OutputProcessor(Letters(), set(), 100), Sequence([0], params)
+        for t in tokens:
+            seq.append_token(t)
+            if reason := proc.finish_reason(seq, t):
+                return reason, proc.text(seq)
+        return None, proc.text(seq)
+    # "b" is the 2nd token: before min_tokens=3 it cannot stop, and no later token adds a "b"
+    assert run(SamplingParams(stop=["b"], min_tokens=3, max_tokens=10), [0, 1, 2, 3]) == (None, "abcd")
+    assert run(SamplingParams(stop=["b"], min_tokens=3, max_tokens=10), [0, 1, 2, 1, 3]) == ("stop", "abc")
+    # a stop string that the min_tokens-th token completes still counts
+    assert run(SamplingParams(stop=["bc"], min_tokens=3, max_tokens=10), [0, 1, 2, 3]) == ("stop", "a")
+    assert run(SamplingParams(stop=["b"], max_tokens=10), [0, 1, 2]) == ("stop", "a")

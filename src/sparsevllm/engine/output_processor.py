@@ -28,8 +28,13 @@ class OutputProcessor:
         return None
 
     def _stop_string(self, seq: Sequence) -> bool:
-        text = self.tokenizer.decode(seq.completion_token_ids, skip_special_tokens=seq.params.skip_special_tokens)
-        checked = self._checked_chars.get(seq.seq_id, 0)
+        skip = seq.params.skip_special_tokens
+        text = self.tokenizer.decode(seq.completion_token_ids, skip_special_tokens=skip)
+        checked = self._checked_chars.get(seq.seq_id)
+        if checked is None:
+            # The first search (at min_tokens) covers only what the newest token added: a stop string
+            # generated before min_tokens does not end the output later (vLLM's rule).
+            checked = len(self.tokenizer.decode(seq.completion_token_ids[:-1], skip_special_tokens=skip))
         self._checked_chars[seq.seq_id] = len(text)
         best = None
         for stop in seq.params.stop:
