@@ -243,3 +243,15 @@ def test_a_seed_beyond_the_generators_range_is_a_400(tiny_server):
     code, body = post(url + "/v1/completions", {"prompt": "hi", "max_tokens": 2, "seed": 2**70})
     assert code == 400 and "seed" in body["error"]["message"], body
     assert idle(llm.engine)
+
+
+def test_chat_without_max_tokens_runs_to_the_end_of_the_context(tiny_server):
+    """OpenAI's and vLLM's chat default is no limit but the context (completions keep 16)."""
+    url, llm = tiny_server
+    code, body = post(url + "/v1/chat/completions", {"messages": [{"role": "user", "content": "hello"}],
+                                                     "temperature": 0, "ignore_eos": True})
+    assert code == 200, body
+    assert body["usage"]["total_tokens"] == llm.config.max_model_len == 256
+    assert body["choices"][0]["finish_reason"] == "length"
+    code, body = post(url + "/v1/completions", {"prompt": "hello", "temperature": 0, "ignore_eos": True})
+    assert code == 200 and body["usage"]["completion_tokens"] == 16, body

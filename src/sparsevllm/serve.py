@@ -293,12 +293,15 @@ def build_app(llm: AsyncLLM, model_name: str, api_key: str | None = None):
         if req.max_completion_tokens is not None:
             req.max_tokens = req.max_completion_tokens
         k = (req.top_logprobs or 0) if req.logprobs else None
-        params = sampling(req, k)
         try:
             text = tokenizer.apply_chat_template(req.messages, add_generation_prompt=True, tokenize=False)
         except Exception as e:  # noqa: BLE001 - a malformed conversation is the client's error
             raise APIError(400, f"messages: {e}", "messages") from None
-        gen = llm.generate(tokenizer.encode(text, add_special_tokens=False), params)
+        prompt = tokenizer.encode(text, add_special_tokens=False)
+        if req.max_tokens is None:   # OpenAI's and vLLM's chat default: the rest of the context, not 16
+            req.max_tokens = max(1, engine.config.max_model_len - len(prompt))
+        params = sampling(req, k)
+        gen = llm.generate(prompt, params)
         first = await first_output(gen)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
 
