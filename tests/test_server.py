@@ -255,3 +255,26 @@ def test_chat_without_max_tokens_runs_to_the_end_of_the_context(tiny_server):
     assert body["choices"][0]["finish_reason"] == "length"
     code, body = post(url + "/v1/completions", {"prompt": "hello", "temperature": 0, "ignore_eos": True})
     assert code == 200 and body["usage"]["completion_tokens"] == 16, body
+
+
+def sse_events(text: str) -> list:
+    events = [line[len("data: "):] for line in text.split("\n\n") if line]
+    assert events[-1] == "[DONE]"
+    return [json.loads(e) for e in events[:-1]]
+
+
+def test_streamed_logprobs_report_each_token_once(tiny_server):
+    """Each chunk carries the log-probabilities of its new tokens (completions repeated every earlier
+    token in every chunk; chat streamed none), so the chunks add up to the non-streamed answer."""
+    url, llm = tiny_server
+    ask = {"prompt": "hello there", "max_tokens": 6, "temperature": 0, "ignore_eos": True, "logprobs": 2}
+    whole = post(url + "/v1/completions", ask)[1]["choices"][0]["logprobs"]
+    code, text = http("POST", url + "/v1/completions", json.dumps({**ask, "stream": True}), key=None)
+    chunks = [c["choices"][0]["logprobs"] for c in sse_events(text)]
+    assert code == 200 and {k: sum((c[k] for c in chunks), []) for k in whole} == whole
+    chat = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 6, "temperature": 0, "ignore_eos": True,
+            "logprobs": True, "top_logprobs": 2}
+    whole = post(url + "/v1/chat/completions", chat)[1]["choices"][0]["logprobs"]["content"]
+    code, text = http("POST", url + "/v1/chat/completions", json.dumps({**chat, "stream": True}), key=None)
+    assert code == 200 and len(whole) == 6
+    assert sum((c["choices"][0]["logprobs"]["content"] for c in sse_events(text)), []) == whole

@@ -193,10 +193,11 @@ def build_app(llm: AsyncLLM, model_name: str, api_key: str | None = None):
         """(token id, Logprob) of a position's k most likely tokens, most likely first."""
         return sorted(((t, v) for t, v in entry.items() if v.rank <= k), key=lambda tv: tv[1].rank)
 
-    def completion_logprobs(out, k: int, start_offset: int) -> dict:
+    def completion_logprobs(out, k: int, start_offset: int, begin: int = 0) -> dict:
+        """Of the tokens from index begin on (a streamed chunk reports only its new tokens)."""
         first = out.outputs[0]
         tokens, token_lps, tops, offsets, offset = [], [], [], [], start_offset
-        for t, entry in zip(first.token_ids, first.logprobs or []):
+        for t, entry in zip(first.token_ids[begin:], (first.logprobs or [])[begin:]):
             text = token_text(t)
             tokens.append(text)
             token_lps.append(entry[t].logprob)
@@ -205,14 +206,14 @@ def build_app(llm: AsyncLLM, model_name: str, api_key: str | None = None):
             offset += len(text)
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
-    def chat_logprobs(out, k: int) -> dict:
+    def chat_logprobs(out, k: int, begin: int = 0) -> dict:
         def item(t, lp):
             text = token_text(t)
             return {"token": text, "logprob": lp, "bytes": list(text.encode())}
         first = out.outputs[0]
         return {"content": [{**item(t, entry[t].logprob),
                              "top_logprobs": [item(a, v.logprob) for a, v in top_k(entry, k)]}
-                            for t, entry in zip(first.token_ids, first.logprobs or [])]}
+                            for t, entry in zip(first.token_ids[begin:], (first.logprobs or [])[begin:])]}
 
     def usage(out) -> dict:
         n = sum(len(o.token_ids) for o in out.outputs)
@@ -236,7 +237,8 @@ def build_app(llm: AsyncLLM, model_name: str, api_key: str | None = None):
                     upto = sent   # an unfinished multi-byte character: wait for the rest
                 # a chunk per arrival of tokens, so clients can time them even while text is held back
                 if upto > sent or done or len(out.outputs[0].token_ids) > tokens:
-                    yield sse(make_chunk(text[sent:upto], out.outputs[0].finish_reason if done else None, out))
+                    yield sse(make_chunk(text[sent:upto], out.outputs[0].finish_reason if done else None, out,
+                                         tokens))   # tokens: the first token id this chunk reports
                     sent, tokens = upto, len(out.outputs[0].token_ids)
                 if done:
                     break
@@ -262,18 +264,24 @@ def build_app(llm: AsyncLLM, model_name: str, api_key: str | None = None):
         first = await first_output(gen)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         echo = (first.prompt if first.prompt is not None else "") if req.echo else ""
+        offset = [len(echo)]   # text offset of the next token reported
 
-        def body(out, text, finish, usage_only=False):
+        def body(out, text, finish, begin=0, usage_only=False):
             if usage_only:
                 return {"id": rid, "object": "text_completion", "created": created, "model": model_name,
                         "choices": [], "usage": usage(out)}
-            lp = completion_logprobs(out, req.logprobs, len(echo)) if req.logprobs is not None else None
+            lp = None
+            if req.logprobs is not None:
+                lp = completion_logprobs(out, req.logprobs, offset[0], begin)
+                if lp["tokens"]:
+                    offset[0] = lp["text_offset"][-1] + len(lp["tokens"][-1])
             return {"id": rid, "object": "text_completion", "created": created, "model": model_name,
                     "choices": [{"index": 0, "text": text, "logprobs": lp, "finish_reason": finish}]}
         if req.stream:
             include = bool((req.stream_options or {}).get("include_usage"))
-            return StreamingResponse(stream(gen, first, lambda t, f, o, usage_only=False: body(o, t, f, usage_only),
-                                            include, params.stop), media_type="text/event-stream")
+            def chunk(text, finish, out, begin=0, usage_only=False):
+                return body(out, text, finish, begin, usage_only)
+            return StreamingResponse(stream(gen, first, chunk, include, params.stop), media_type="text/event-stream")
         out = first
         try:
             while not out.finished:
@@ -307,14 +315,15 @@ def build_app(llm: AsyncLLM, model_name: str, api_key: str | None = None):
 
         opened = []   # the first chunk carries the role
 
-        def chunk(text, finish, out, usage_only=False):
+        def chunk(text, finish, out, begin=0, usage_only=False):
             base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model_name}
             if usage_only:
                 return {**base, "choices": [], "usage": usage(out)}
             delta = {"content": text} if text else {}
             if not opened:
                 delta, _ = {"role": "assistant", "content": text or ""}, opened.append(True)
-            return {**base, "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
+            lp = chat_logprobs(out, k, begin) if req.logprobs else None
+            return {**base, "choices": [{"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish}]}
         if req.stream:
             include = bool((req.stream_options or {}).get("include_usage"))
             return StreamingResponse(stream(gen, first, chunk, include, params.stop), media_type="text/event-stream")
