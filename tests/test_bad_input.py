@@ -41,6 +41,11 @@ def test_unknown_knob_suggests_closest():
     ("max_num_seqs", 0, "max_num_seqs=0"),
     ("tensor_parallel_size", 0, "tensor_parallel_size=0 is invalid; valid: an integer >= 1"),
     ("async_scheduling", "on", "async_scheduling='on' is invalid; valid: None"),
+    ("gpu_memory_utilization", "0.5", "gpu_memory_utilization='0.5' is invalid; valid: a fraction"),
+    ("cpu_kv_cache_gb", None, "cpu_kv_cache_gb=None is invalid"),
+    ("enforce_eager", "yes", "enforce_eager='yes' is invalid; valid: True or False"),
+    ("enable_prefix_caching", "no", "enable_prefix_caching='no' is invalid"),
+    ("seed", "x", "seed='x' is invalid; valid: an integer"),
 ])
 def test_invalid_engine_knob_values(knob, value, msg):
     with pytest.raises(ValueError, match=msg):

@@ -64,8 +64,16 @@ class EngineConfig:
             need(isinstance(getattr(self, knob), int) and getattr(self, knob) >= 1, knob, "an integer >= 1")
         need(self.max_model_len is None or (isinstance(self.max_model_len, int) and self.max_model_len >= 2),
              "max_model_len", "None (the model's context) or an integer >= 2")
-        need(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization", "a fraction in (0, 1]")
-        need(self.cpu_kv_cache_gb > 0, "cpu_kv_cache_gb", "a positive number of GiB")
+
+        def number(x) -> bool:   # compared below: a string would raise a TypeError naming no knob
+            return isinstance(x, (int, float)) and not isinstance(x, bool)
+        need(number(self.gpu_memory_utilization) and 0.0 < self.gpu_memory_utilization <= 1.0,
+             "gpu_memory_utilization", "a fraction in (0, 1]")
+        need(number(self.cpu_kv_cache_gb) and self.cpu_kv_cache_gb > 0, "cpu_kv_cache_gb", "a positive number of GiB")
+        for knob in ("enforce_eager", "enable_prefix_caching"):   # "no" would read as True
+            need(isinstance(getattr(self, knob), bool), knob, "True or False")
+        need(isinstance(self.seed, int) and not isinstance(self.seed, bool) and -2**63 <= self.seed < 2**64,
+             "seed", "an integer in [-2**63, 2**64) (torch's generator range)")
         need(self.num_kv_pages is None or (isinstance(self.num_kv_pages, int) and self.num_kv_pages >= 1),
              "num_kv_pages", "None (sized from memory) or an integer >= 1")
         need(self.async_scheduling is None or isinstance(self.async_scheduling, bool), "async_scheduling",
