@@ -52,7 +52,8 @@ def test_generate_returns_request_outputs_and_old_keys_still_read(tiny):
     ("temperature", "0"), ("top_p", 0.0), ("top_k", 0), ("top_k", 2.5), ("max_tokens", 0), ("n", 0),
     ("min_tokens", 20), ("stop", ""), ("stop", ["ok", 3]), ("stop_token_ids", [-1]), ("logprobs", -1),
     ("prompt_logprobs", "5"), ("repetition_penalty", 0.0), ("presence_penalty", 3.0), ("frequency_penalty", "1"),
-    ("seed", 1.5), ("seed", 2**64), ("seed", -2**63 - 1), ("ignore_eos", "yes"), ("include_stop_str_in_output", 1), ("skip_special_tokens", None)])
+    ("seed", 1.5), ("seed", 2**64), ("seed", -2**63 - 1), ("ignore_eos", "yes"), ("include_stop_str_in_output", 1),
+    ("skip_special_tokens", None)])
 def test_every_sampling_params_field_is_type_checked(field, value):
     with pytest.raises(ValueError, match=f"SamplingParams.{field} must be .*got {re.escape(repr(value))}"):
         SamplingParams(**{field: value})

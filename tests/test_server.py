@@ -278,3 +278,16 @@ def test_streamed_logprobs_report_each_token_once(tiny_server):
     code, text = http("POST", url + "/v1/chat/completions", json.dumps({**chat, "stream": True}), key=None)
     assert code == 200 and len(whole) == 6
     assert sum((c["choices"][0]["logprobs"]["content"] for c in sse_events(text)), []) == whole
+
+
+def test_echo_of_a_token_id_prompt_and_of_a_stream(tiny_server):
+    """echo returns the prompt's text before the completion: also for a prompt sent as token ids,
+    and in a stream (its first chunk), as vLLM does."""
+    url, llm = tiny_server
+    ask = {"prompt": "hello there", "max_tokens": 4, "temperature": 0, "ignore_eos": True, "echo": True}
+    want = post(url + "/v1/completions", ask)[1]["choices"][0]["text"]
+    assert want.startswith("hello there") and len(want) > len("hello there")
+    ids = llm.tokenizer.encode("hello there")
+    assert post(url + "/v1/completions", {**ask, "prompt": ids})[1]["choices"][0]["text"] == want
+    code, text = http("POST", url + "/v1/completions", json.dumps({**ask, "stream": True}), key=None)
+    assert code == 200 and "".join(c["choices"][0]["text"] for c in sse_events(text)) == want

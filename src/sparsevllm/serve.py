@@ -263,7 +263,10 @@ def build_app(llm: AsyncLLM, model_name: str, api_key: str | None = None):
         gen = llm.generate(prompt, params)
         first = await first_output(gen)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-        echo = (first.prompt if first.prompt is not None else "") if req.echo else ""
+        echo = ""
+        if req.echo:   # the prompt's text, also when it came as token ids (vLLM decodes them)
+            echo = first.prompt if first.prompt is not None else tokenizer.decode(first.prompt_token_ids) \
+                if tokenizer is not None else ""
         offset = [len(echo)]   # text offset of the next token reported
 
         def body(out, text, finish, begin=0, usage_only=False):
@@ -279,7 +282,11 @@ def build_app(llm: AsyncLLM, model_name: str, api_key: str | None = None):
                     "choices": [{"index": 0, "text": text, "logprobs": lp, "finish_reason": finish}]}
         if req.stream:
             include = bool((req.stream_options or {}).get("include_usage"))
+            echoed = []   # the first chunk carries the echoed prompt
+
             def chunk(text, finish, out, begin=0, usage_only=False):
+                if not usage_only and not echoed:
+                    text, _ = echo + text, echoed.append(True)
                 return body(out, text, finish, begin, usage_only)
             return StreamingResponse(stream(gen, first, chunk, include, params.stop), media_type="text/event-stream")
         out = first
