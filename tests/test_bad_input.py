@@ -138,6 +138,8 @@ def test_cli_prints_errors_without_a_traceback_and_shows_defaults(tiny_model):
     out = cli("--model", tiny_model("llama"), "--method", "nosuch")
     assert out.returncode == 2 and "unknown vllm_sparse_method 'nosuch'" in out.stderr
     assert "Traceback" not in out.stderr
+    out = cli("--model", tiny_model("llama"), "--chat", "hi")   # a model without a chat template
+    assert out.returncode == 2 and "no chat template" in out.stderr and "Traceback" not in out.stderr, out.stderr
     assert "(default: 32)" in cli("--help").stdout
 
 

@@ -33,14 +33,15 @@ def main(argv=None) -> int:
             knobs["tensor_parallel_size"] = args.tp
         llm = LLM(args.model, vllm_sparse_method=args.method, **knobs)
         sp = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
+        t0 = time.perf_counter()
+        # inside the try: --chat without a chat template, or text for a model without a tokenizer
+        if args.chat:
+            outs = llm.chat([[{"role": "user", "content": p}] for p in args.prompts], sp, use_tqdm=False)
+        else:
+            outs = llm.generate(args.prompts, sp, use_tqdm=False)
     except (ValueError, TypeError) as e:   # a user's mistake: the message, not a traceback
         print(f"error: {e}", file=sys.stderr)
         return 2
-    t0 = time.perf_counter()
-    if args.chat:
-        outs = llm.chat([[{"role": "user", "content": p}] for p in args.prompts], sp, use_tqdm=False)
-    else:
-        outs = llm.generate(args.prompts, sp, use_tqdm=False)
     elapsed = time.perf_counter() - t0
     for prompt, out in zip(args.prompts, outs):
         print(f"--- {prompt!r}\n{out.outputs[0].text if not out.error else 'ERROR: ' + out.error}")
