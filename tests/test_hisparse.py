@@ -439,3 +439,17 @@ def test_hit_rate_script_reports_real_weights_hit_rate():
     assert out.returncode == 0, out.stderr[-2000:]
     row = json.loads(out.stdout.strip().splitlines()[-1])
     assert row["decode_steps"] >= 6 and row["swapped_in_pages"] > 0 and 0.5 < row["hit_rate"] <= 1.0
+
+
+def test_hisparse_equals_quest_when_the_last_prompt_chunk_is_one_token(tiny_model):
+    """257 = 4 x 64 + 1: the last prompt token alone in its chunk. It used to run as a decode step
+    while the request was not yet offloaded, so its K/V never reached the host copy of its page
+    (nor its page bounds), and once decode left that page HiSparse read it without the token."""
+    path = tiny_model("llama", max_position_embeddings=2048)
+    ps = prompts([257], seed=3)
+    quest = LLM(path, vllm_sparse_method="quest", device="cpu", page_size=P, quest_token_budget=5 * P,
+                quest_skip_layers=0, quest_selection="shared", chunk_prefill_size=64, enable_prefix_caching=False)
+    want = token_ids(quest.generate(ps, GREEDY, use_tqdm=False))
+    llm = hisparse(path, hisparse_recent_pages=0, hisparse_device_pages=6)
+    assert token_ids(llm.generate(ps, GREEDY, use_tqdm=False)) == want
+    assert_idle(llm.engine.cache_manager)

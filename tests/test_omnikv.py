@@ -312,3 +312,14 @@ def test_calibration_picks_filter_layers_deterministically(tiny_model, tmp_path,
 
 def prompts_of(n):
     return prompts([120 + 17 * i for i in range(n)], seed=11)
+
+
+def test_omnikv_last_prompt_token_alone_in_its_chunk_is_prefilled_densely(tiny_model):
+    """Prefill is dense everywhere: a prompt whose last chunk holds one token (97 = 3 x 32 + 1) gives
+    the tokens of one-shot prefill. That token used to run as a decode step, where the filter layer
+    ranks it as a prompt token: the sparse layers' view could leave out the query's own token."""
+    path = model(tiny_model)
+    ps = prompts([97], seed=4)
+    knobs = dict(KNOBS, page_size=4, omnikv_num_selected=4)
+    want = run(LLM(path, vllm_sparse_method="omnikv", device="cpu", chunk_prefill_size=128, **knobs), ps)
+    assert run(LLM(path, vllm_sparse_method="omnikv", device="cpu", chunk_prefill_size=32, **knobs), ps) == want

@@ -562,3 +562,19 @@ def test_quest_store_in_the_qkv_epilogue_gives_the_separate_stores_tokens(tiny_m
     bounds = [t for t in targets if t is not None and t.kmin is not None]
     assert any(t is not None and t.kmin is None for t in targets)      # the dense layer 0
     assert bool(bounds) != fused_store                                 # sparse layers: bounds, or the scoring launch
+
+
+def test_quest_last_prompt_token_alone_in_its_chunk_is_prefilled_densely(tiny_model):
+    """Prefill is dense: a prompt whose last chunk holds one token (97 = 3 x 32 + 1) must give the
+    tokens of one-shot prefill, and the samples of n = 3 (the others prefill that token after
+    prefix-cache hits) the same tokens. The last prompt token used to run as a decode step (sparse
+    view) when it was alone in its chunk, so the first output token depended on the chunking."""
+    path = tiny_model("llama", num_hidden_layers=4)
+    ps = prompts([97], seed=1)
+    knobs = dict(page_size=4, quest_token_budget=16, quest_skip_layers=1)
+    want = token_ids(quest(path, chunk_prefill_size=128, **knobs).generate(ps, GREEDY, use_tqdm=False))
+    llm = quest(path, chunk_prefill_size=32, **knobs)
+    assert token_ids(llm.generate(ps, GREEDY, use_tqdm=False)) == want
+    n3 = SamplingParams(temperature=0.0, max_tokens=GREEDY.max_tokens, ignore_eos=True, n=3)
+    llm = quest(path, chunk_prefill_size=32, **knobs)
+    assert [c.token_ids for c in llm.generate(ps, n3, use_tqdm=False)[0].outputs] == want * 3

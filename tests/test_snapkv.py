@@ -372,3 +372,14 @@ def test_snapkv_graph_equals_eager_on_gpu(model):
     assert run(cpu, ps) == run(graph, ps)
     bf16 = LLM(model, "snapkv", device="cuda", max_num_seqs=8, **KNOBS)
     run(bf16, ps)  # bf16 with graphs runs and leaves the allocator idle
+
+
+def test_window_of_one_query_compacts_after_chunked_prefill(model):
+    """w = 1: the chunk before the window leaves exactly one prompt token, which must still run as
+    prefill (the compacting chunk); it used to run as a decode step, so nothing was ever evicted."""
+    knobs = dict(page_size=P, snapkv_capacity=C, snapkv_window_size=1)
+    ps = prompts(1, base=129)                         # 2 x 64 + 1
+    want = run(LLM(model, "snapkv", enable_prefix_caching=False, **knobs), ps)
+    llm = LLM(model, "snapkv", chunk_prefill_size=64, enable_prefix_caching=False, **knobs)
+    assert run(llm, ps) == want
+    assert llm.memory_accounting()["compactions"] == 1

@@ -72,8 +72,10 @@ class Sequence:
 
     @property
     def in_prefill(self) -> bool:
-        # More than one token waits for its K/V: the request is (re)filling its prompt.
-        return self.num_uncomputed_tokens > 1 or self.num_computed_tokens == 0
+        # More than one token waits for its K/V, or a prompt token does: the request is (re)filling
+        # its prompt. A prompt's last token alone in its chunk is prefill too: sparse methods prefill
+        # densely (and SnapKV compacts, HiSparse backs the prompt up to host) only in prefill steps.
+        return self.num_uncomputed_tokens > 1 or self.num_computed_tokens < self.num_prompt_tokens
 
     @property
     def num_generated(self) -> int:
