@@ -28,6 +28,9 @@ Deviations from SGLang: the current page has its own device page rather than an 
 slot is known on the host when the step is built); no prefix caching (a request's pages are its own
 host pages); during prefill a request holds its whole prompt on the device (chunked prefill attends
 densely over it), so the GPU bounds how many prompts prefill at once, not how many requests decode.
+Preemption recomputes prompt + generated tokens by (dense) prefill, so an offloaded request's
+generated tokens get K/V from dense attention instead of the page selection they were decoded with:
+its continuation can differ from an uninterrupted run from the preemption on.
 """
 from dataclasses import dataclass
 

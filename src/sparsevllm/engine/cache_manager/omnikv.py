@@ -27,6 +27,10 @@ Deviations from the official code:
 - Memory: none is saved (the paper's optional offload of the sparse layers' prompt KV to host
   memory is not implemented).
 - The top-n is exact (ties to the earlier position); the official code calls torch.topk.
+- Preemption recomputes prompt + generated tokens by (dense) prefill, so the generated tokens'
+  K/V in the sparse layers come from dense attention instead of the selection they were decoded
+  with: a preempted request's continuation can differ from an uninterrupted run from the
+  preemption on. The official code has no preemption.
 """
 import math
 from dataclasses import dataclass

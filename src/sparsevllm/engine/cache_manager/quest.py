@@ -29,6 +29,10 @@ Where we differ from the official code, and why:
   metadata is indexed by physical page: pages shared through the prefix cache share their
   metadata, which is exact because their content is identical.
 - Layers below `quest_skip_layers` keep no metadata at all.
+- Preemption recomputes prompt + generated tokens by (dense) prefill, so the generated tokens'
+  K/V in the sparse layers come from dense attention instead of the page selection they were
+  decoded with: a preempted request's continuation can differ from an uninterrupted run from the
+  preemption on (the tokens before it are kept). The official code has no preemption.
 """
 import os
 from dataclasses import dataclass
