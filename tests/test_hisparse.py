@@ -453,3 +453,37 @@ def test_hisparse_equals_quest_when_the_last_prompt_chunk_is_one_token(tiny_mode
     llm = hisparse(path, hisparse_recent_pages=0, hisparse_device_pages=6)
     assert token_ids(llm.generate(ps, GREEDY, use_tqdm=False)) == want
     assert_idle(llm.engine.cache_manager)
+
+
+def test_hisparse_recompute_after_preemption_backs_up_every_token(tiny_model):
+    """A preempted offloaded request is recomputed by prefill up to its last known token, which then
+    runs as a decode step before the request is offloaded again. When it moves to its hot buffer the
+    host must hold every token it stored, and each page's bounds the min/max of its keys; that last
+    token used to stay on the device only (decode wrote through to host for offloaded rows only)."""
+    path = tiny_model("llama", max_position_embeddings=2048)
+    llm = hisparse(path)
+    eng, cm = llm.engine, llm.engine.cache_manager
+    to_hot, checked_requests = cm._to_hot_buffer, []
+
+    def check(seq):
+        pages, hp = cm.tables[seq.seq_id], cm.host_pages_of[seq.seq_id]
+        for layer in range(cm.num_layers):
+            dev_k, dev_v = cm.pool.layer(layer)
+            host_k, host_v = cm.host.layer(layer)
+            for j, page in enumerate(pages[:cm.pages_for(seq.cache_len)]):
+                count = min(P, seq.cache_len - j * P)
+                d, h = slice(page * P, page * P + count), slice(int(hp[j]) * P, int(hp[j]) * P + count)
+                assert torch.equal(host_k[h], dev_k[d]) and torch.equal(host_v[h], dev_v[d]), (layer, j)
+                assert torch.equal(cm.kmin[layer, hp[j]], dev_k[d].amin(0)), (layer, j)
+                assert torch.equal(cm.kmax[layer, hp[j]], dev_k[d].amax(0)), (layer, j)
+        checked_requests.append(seq.cache_len)
+        to_hot(seq)
+    cm._to_hot_buffer = check
+    seq = eng.add_request(prompts([120], seed=13)[0], SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True))
+    while seq.num_completion_tokens < 9:
+        eng.step()
+    # 129 known tokens: the recompute prefills 2 x 64 of them, the last one runs as a decode step.
+    eng.scheduler.preempt(seq)
+    eng.run([seq], use_tqdm=False)
+    assert checked_requests == [120, 129] and len(seq.completion_token_ids) == 20
+    assert_idle(cm)

@@ -306,10 +306,12 @@ class HiSparseCacheManager(CacheManager):
         if self.copies_pending:   # prompt pages reach the host before any decode step swaps or evicts
             torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
             self.copies_pending = False
-        rows = [self.row_of.get(s.seq_id, self.dummy_row) if s.seq_id in self.decoding else self.dummy_row
-                for s in seqs]
+        # A request with host pages has its row also before it is offloaded (the last token of a
+        # recompute after preemption runs as a decode step while the prompt is still on the device):
+        # decode writes through to host for every such row, the view is sparse for offloaded ones only.
+        rows = [self.row_of.get(s.seq_id, self.dummy_row) for s in seqs]
         self.clock += 1
-        if any(r != self.dummy_row for r in rows):
+        if any(s.seq_id in self.decoding for s in seqs):
             self.decode_steps += 1
         step.extras["hisparse_rows"] = to_device(rows, self.device)
         step.extras["hisparse_clock"] = to_device([self.clock] * len(seqs), self.device, torch.int32)
@@ -375,13 +377,14 @@ class HiSparseCacheManager(CacheManager):
                 t.record_stream(self.copy_stream)
             self.copies_pending = True
             return
-        if self._all_dense(step):
-            return
-        # Decode: write the new token through to its host slot, then refresh its page's bounds.
+        if step.seqs and all(s is not None and s.seq_id not in self.row_of for s in step.seqs):
+            return   # an eager decode step without host-backed requests
+        # Decode: write the new token through to its host slot, then refresh its page's bounds, for
+        # every request with host pages (rows without any hold the trash page: dense requests, padding).
         rows = step.extras["hisparse_rows"]
-        active = self.offloaded[rows] & (step.slot_mapping >= 0)
         pos = step.positions
         host_page = self.host_tables[rows, pos // self.page_size].long()
+        active = (host_page != self.trash) & (step.slot_mapping >= 0)
         host_store(k, v, host_k, host_v, torch.where(active, host_page * self.page_size + pos % self.page_size, -1))
         self._bounds_from_pool(layer_id, torch.where(active, step.slot_mapping, -1),
                                torch.where(active, host_page, self.trash))
