@@ -115,3 +115,26 @@ def test_max_model_len_stops_generation(model, reference):
     llm = LLM(model, max_model_len=len(p) + 4)
     out = llm.generate(p, GREEDY, use_tqdm=False)[0]
     assert out.outputs[0].token_ids == reference[0][:4] and out.outputs[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize("method, knobs", [
+    ("quest", dict(quest_token_budget=32, quest_skip_layers=1)),
+    ("omnikv", dict(omnikv_filter_layers=[0], omnikv_wait_layers=0, omnikv_num_selected=0.2)),
+])
+def test_a_prefix_hit_on_generated_tokens_equals_a_miss_with_a_sparse_decode(tiny_model, method, knobs):
+    """A sparse decode view gives the generated tokens' later layers other inputs than prefill
+    would, so their KV is not the KV a miss computes; a follow-up prompt (a chat's next turn: prompt,
+    answer, new message) must get the same output whether the first turn ran on this engine or not."""
+    path = tiny_model("llama", num_hidden_layers=4)
+    first = prompts(1, base=100)[0]
+    kw = dict(vllm_sparse_method=method, page_size=8, **knobs)
+    warm = LLM(path, **kw)
+    answer = run(warm, [first], SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))[0]
+    follow_up = first + answer[:32] + [5, 6, 7]
+    sp = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=0)
+
+    def first_logprob(llm):
+        out = llm.generate(follow_up, sp, use_tqdm=False)[0].outputs[0]
+        return out.logprobs[0][out.token_ids[0]].logprob
+
+    assert first_logprob(warm) == pytest.approx(first_logprob(LLM(path, **kw)), abs=1e-5)

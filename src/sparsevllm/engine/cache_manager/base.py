@@ -45,6 +45,10 @@ class Capabilities:
     cuda_graph: bool = True        # decode hooks are capturable
     prefix_cache: bool = True      # full raw pages may be shared between requests
     tensor_parallel: bool = False  # runs with tensor_parallel_size > 1 (else a clear ValueError)
+    # Decode attends to every stored token, so a generated token's KV equals what prefill computes
+    # for it and its pages may be shared. False for a sparse decode view: the later layers of a
+    # generated token saw fewer tokens, and only prompt pages enter the prefix cache.
+    dense_decode: bool = True
 
 
 class CacheManager:
@@ -153,7 +157,9 @@ class CacheManager:
         seq.num_computed_tokens += num_new_tokens
         seq.cache_len += num_new_tokens
         if seq.cache_len == seq.num_computed_tokens:  # only raw caches can be named by their tokens
-            self.tables.name_full_pages(seq, seq.cache_len)
+            # (a hit must equal a miss: with a sparse decode, only the prompt's KV is what prefill computes)
+            end = seq.cache_len if self.capabilities.dense_decode else min(seq.cache_len, seq.num_prompt_tokens)
+            self.tables.name_full_pages(seq, end)
 
     def memory_accounting(self) -> dict:
         page_bytes = self.pool.nbytes // self.num_pages

@@ -15,7 +15,8 @@ prompt length, default 0.067). Its sparse layers then attend to those n prompt t
 generated token, which are always attended and never selected: one token set shared by all heads,
 a decode view with page size 1 and G = 1, positions in logical order (all below the query's).
 Prefill is dense everywhere; nothing is evicted, so prefix caching and chunked prefill work as for
-vanilla. The selection is handed from a filter layer to its sparse layers through the
+vanilla, except that only prompt pages are shared (a generated token's KV comes from the sparse
+decode, not what a miss would prefill: `dense_decode=False`). The selection is handed from a filter layer to its sparse layers through the
 SparseController (put/get), within the step.
 
 Defaults per model depth L: the paper's filter layers 2, 8, 18 on 32 layers, scaled to round(f * L
@@ -108,7 +109,7 @@ class OmniKVCacheManager(CacheManager):
     method_name = "omnikv"
     # The filter layer's token scores (max over heads) are combined with a max all-reduce across
     # ranks before top-k, so every rank attends the same tokens.
-    capabilities = Capabilities(tensor_parallel=True)
+    capabilities = Capabilities(tensor_parallel=True, dense_decode=False)
     config_cls = OmniKVConfig
 
     def __init__(self, config: EngineConfig, num_layers: int, num_kv_heads: int, head_dim: int,

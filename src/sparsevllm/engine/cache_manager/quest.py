@@ -27,7 +27,9 @@ Where we differ from the official code, and why:
   group's summed bound (see regression/README.md for the accuracy each choice gets).
 - The page size is the engine's KV page size (one knob, 16 by default as in the paper), so the
   metadata is indexed by physical page: pages shared through the prefix cache share their
-  metadata, which is exact because their content is identical.
+  metadata, which is exact because their content is identical. Only prompt pages are shared: a
+  generated token's KV comes from the sparse decode, not what a miss would prefill
+  (`dense_decode=False`).
 - Layers below `quest_skip_layers` keep no metadata at all.
 - Preemption recomputes prompt + generated tokens by (dense) prefill, so the generated tokens'
   K/V in the sparse layers come from dense attention instead of the page selection they were
@@ -91,7 +93,7 @@ class QuestCacheManager(CacheManager):
     method_name = "quest"
     # kv_head / query_head selections are per head, local to a rank; `shared` sums its bounds over
     # every rank's heads (one all-reduce per sparse layer) so all ranks pick the same pages.
-    capabilities = Capabilities(tensor_parallel=True)
+    capabilities = Capabilities(tensor_parallel=True, dense_decode=False)
     config_cls = QuestConfig
 
     def __init__(self, config: EngineConfig, num_layers: int, num_kv_heads: int, head_dim: int,
