@@ -218,3 +218,40 @@ def test_a_stop_string_before_min_tokens_does_not_cut_the_output_later():
     # a stop string that the min_tokens-th token completes still counts
     assert run(SamplingParams(stop=["bc"], min_tokens=3, max_tokens=10), [0, 1, 2, 3]) == ("stop", "a")
     assert run(SamplingParams(stop=["b"], max_tokens=10), [0, 1, 2]) == ("stop", "a")
+
+
+def test_closing_a_stream_aborts_samples_still_running_after_the_first_finished(tiny):
+    """AsyncLLM: a client that goes away aborts every sample of its request, not only while the
+    first one runs."""
+    import asyncio
+    import time
+
+    from sparsevllm.engine.async_engine import AsyncLLM
+    llm = LLM(tiny, device="cpu")
+    p = prompts([12], seed=2)[0]
+    sp = SamplingParams(n=2, temperature=0.9, seed=5, max_tokens=300, ignore_eos=True)
+    free = [o.token_ids for o in llm.generate([p], sp, use_tqdm=False)[0].outputs]
+    stop = next(t for t in free[0][1:] if t not in free[1])   # ends the first sample only
+    added = []
+    add_request = llm.engine.add_request
+    llm.engine.add_request = lambda *a, **k: added.append(add_request(*a, **k)) or added[-1]
+    async_llm = AsyncLLM(llm.engine)
+
+    async def client():
+        stream = async_llm.generate(p, sp.clone(stop_token_ids=[stop]))
+        async for out in stream:
+            if out.outputs[0].finish_reason is not None:
+                assert out.outputs[1].finish_reason is None
+                await stream.aclose()
+                return
+
+    try:
+        asyncio.run(client())
+        for _ in range(1000):
+            if not llm.engine.has_work():
+                break
+            time.sleep(0.01)
+    finally:
+        async_llm.shutdown()
+    assert [s.finish_reason for s in added[0].group] == ["stop", "abort"]
+    assert llm.engine.cache_manager.allocator.is_idle()

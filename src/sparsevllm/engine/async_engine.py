@@ -95,7 +95,8 @@ class AsyncLLM:
                 if item.finished:
                     return
         finally:
-            if stream.seq is not None and not stream.seq.is_finished:
+            # every sample: the first may have finished while the others still run
+            if stream.seq is not None and not all(s.is_finished for s in stream.seq.group):
                 self._inbox.put(("abort", stream))
                 self._wake.set()
 
@@ -140,8 +141,8 @@ class AsyncLLM:
                 self._streams[seq.seq_id] = stream
             else:
                 stream = item[1]
-                if stream.seq is not None and not stream.seq.is_finished:
-                    self.engine.abort(stream.seq)
+                if stream.seq is not None:
+                    self.engine.abort(stream.seq)   # finishes the samples still running
 
     def _fail(self, seqs: list[Sequence], message: str) -> None:
         for seq in seqs:
