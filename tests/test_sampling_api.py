@@ -251,6 +251,8 @@ def test_closing_a_stream_aborts_samples_still_running_after_the_first_finished(
             if not llm.engine.has_work():
                 break
             time.sleep(0.01)
+        time.sleep(0.6)   # a loop turn after the abort: nothing is sent to the client's closed event loop
+        assert async_llm._thread.is_alive()
     finally:
         async_llm.shutdown()
     assert [s.finish_reason for s in added[0].group] == ["stop", "abort"]

@@ -143,6 +143,9 @@ class AsyncLLM:
                 stream = item[1]
                 if stream.seq is not None:
                     self.engine.abort(stream.seq)   # finishes the samples still running
+                    # Nobody reads this stream any more, and its event loop may be closed already
+                    # (publishing to it would then raise in this thread and stop the engine).
+                    self._streams.pop(stream.seq.seq_id, None)
 
     def _fail(self, seqs: list[Sequence], message: str) -> None:
         for seq in seqs:
