@@ -127,6 +127,22 @@ def test_rerun_skips_finished_samples_and_redoes_missing_ones(tmp_path, tokenize
     assert all(c["scored"] == 4 for c in summary["cells"])
 
 
+def test_resume_after_a_line_cut_mid_write_loses_no_new_record(tmp_path, tokenizer, monkeypatch):
+    calls = []
+    config = _config(tmp_path, methods=[], hyper_params={}, tasks=["niah_single_word_noise"])
+    _fake_runner(config, tokenizer, calls, monkeypatch).run()
+    lines = (tmp_path / "samples.jsonl").read_text().splitlines()
+    # killed while writing the sixth record: no newline after the fragment
+    (tmp_path / "samples.jsonl").write_text("\n".join(lines[:5]) + "\n" + lines[5][:30])
+    calls.clear()
+    summary = _fake_runner(config, tokenizer, calls, monkeypatch).run()
+    assert sum(n for _, n in calls) == 3
+    assert all(c["scored"] == 4 and c["missing"] == 0 for c in summary["cells"]) and summary["pass"]
+    calls.clear()
+    _fake_runner(config, tokenizer, calls, monkeypatch).run()
+    assert calls == []  # the rerun samples were kept, not lost behind the fragment
+
+
 def test_fidelity_reference_is_recomputed_when_its_file_is_gone(tmp_path, tokenizer, monkeypatch):
     calls = []
     config = _config(tmp_path, tasks=["fidelity"], lengths=[512], samples=2)

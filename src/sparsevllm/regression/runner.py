@@ -132,7 +132,16 @@ class Runner:
         return records
 
     def _append(self, records: list[dict]) -> None:
+        # A run killed mid-write leaves its last line without a newline; appending straight
+        # after it would glue the next record onto that broken line and lose it as well.
+        broken_tail = False
+        if os.path.exists(self.records_path) and os.path.getsize(self.records_path) > 0:
+            with open(self.records_path, "rb") as f:
+                f.seek(-1, os.SEEK_END)
+                broken_tail = f.read(1) != b"\n"
         with open(self.records_path, "a", encoding="utf-8") as f:
+            if broken_tail:
+                f.write("\n")
             for r in records:
                 f.write(json.dumps(r) + "\n")
 
