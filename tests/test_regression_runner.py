@@ -143,6 +143,20 @@ def test_resume_after_a_line_cut_mid_write_loses_no_new_record(tmp_path, tokeniz
     assert calls == []  # the rerun samples were kept, not lost behind the fragment
 
 
+def test_a_drop_of_exactly_the_tolerance_passes():
+    from sparsevllm.regression import report
+    from sparsevllm.regression.prompts import Sample
+    variants = expand_variants(["quest"], {}, registered=None)
+    samples = [Sample("t", 512, i, "", [i], ["x"], "contains", 4) for i in range(20)]
+    key = lambda v, s: f"{v.label}|{s.index}"  # noqa: E731
+    # vanilla 11/20 = 55%, quest 10/20 = 50%: one sample, exactly the 5-point tolerance
+    records = {key(v, s): {"score": float(s.index < (11 if v.method == "vanilla" else 10)),
+                           "error": None} for v in variants for s in samples}
+    summary = report.summarize(RunConfig(tolerance=5.0), variants, samples, records, key, True)
+    cell = next(c for c in summary["cells"] if c["label"] == "quest")
+    assert cell["drop"] == 5.0 and cell["pass"] and summary["pass"]
+
+
 def test_fidelity_reference_is_recomputed_when_its_file_is_gone(tmp_path, tokenizer, monkeypatch):
     calls = []
     config = _config(tmp_path, tasks=["fidelity"], lengths=[512], samples=2)
