@@ -157,6 +157,32 @@ def test_a_drop_of_exactly_the_tolerance_passes():
     assert cell["drop"] == 5.0 and cell["pass"] and summary["pass"]
 
 
+def test_budget_plot_has_a_line_for_each_method_sweeping_its_own_knob(tmp_path, monkeypatch):
+    import matplotlib.axes
+
+    from sparsevllm.regression import report
+    from sparsevllm.regression.prompts import Sample
+    # the README's sweep: quest over quest_token_budget, snapkv over snapkv_capacity
+    variants = expand_variants(["quest", "snapkv"], {"quest": {"quest_token_budget": [256, 512]},
+                                                     "snapkv": {"snapkv_capacity": [256, 512]}},
+                               registered=None)
+    samples = [Sample("t", 512, 0, "", [0], ["x"], "contains", 4)]
+    key = lambda v, s: v.label  # noqa: E731
+    records = {v.label: {"score": 1.0, "error": None} for v in variants}
+    summary = report.summarize(RunConfig(), variants, samples, records, key, True)
+    lines, real_plot = [], matplotlib.axes.Axes.plot
+
+    def plot(self, *args, **kwargs):
+        lines.append((kwargs.get("label"), args))
+        return real_plot(self, *args, **kwargs)
+
+    monkeypatch.setattr(matplotlib.axes.Axes, "plot", plot)
+    report.plot(summary, str(tmp_path))
+    budget = {label: args for label, args in lines if label in ("quest @ 512", "snapkv @ 512")}
+    assert budget["snapkv @ 512"] == ((256, 512), (100.0, 100.0))
+    assert budget["quest @ 512"] == ((256, 512), (100.0, 100.0))
+
+
 def test_fidelity_reference_is_recomputed_when_its_file_is_gone(tmp_path, tokenizer, monkeypatch):
     calls = []
     config = _config(tmp_path, tasks=["fidelity"], lengths=[512], samples=2)

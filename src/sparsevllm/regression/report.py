@@ -167,14 +167,10 @@ def plot(summary: dict, out_dir: str) -> list[str]:
 
     swept = [c for c in cells if c["sweep"] and c["method"] != "vanilla"]
     if swept:
-        knob = next(iter(swept[0]["sweep"]))
+        knobs = sweep_knobs(swept)
         fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 3.6 * rows), squeeze=False)
         for ax, task in zip(axes.flat, tasks):
-            series = {}
-            for c in swept:
-                if c["task"] == task and knob in c["sweep"]:
-                    series.setdefault((c["method"], c["length"]), []).append(
-                        (c["sweep"][knob], c["accuracy"]))
+            series = budget_series(swept, task, knobs)
             for (method, length), pts in sorted(series.items()):
                 line, = ax.plot(*zip(*sorted(pts)), marker="o", label=f"{method} @ {length}")
                 ref = next((c["reference_accuracy"] for c in swept if c["task"] == task
@@ -182,10 +178,29 @@ def plot(summary: dict, out_dir: str) -> list[str]:
                 if ref is not None:
                     ax.axhline(ref, linestyle="--", color=line.get_color(), alpha=0.6)
             ax.set_title(f"{task} (dashed: vanilla)")
-            ax.set_xlabel(knob)
+            ax.set_xlabel(" / ".join(dict.fromkeys(knobs.values())))
             ax.set_ylabel("accuracy %")
         paths.append(_save_panels(fig, axes, len(tasks), os.path.join(out_dir, "accuracy_vs_budget.png")))
     return paths
+
+
+def sweep_knobs(swept_cells: list[dict]) -> dict[str, str]:
+    """method -> the knob its budget plot runs along: the first one it sweeps. Each method has its
+    own (quest_token_budget, snapkv_capacity), so one knob for all would drop the other methods."""
+    knobs = {}
+    for c in swept_cells:
+        knobs.setdefault(c["method"], next(iter(c["sweep"])))
+    return knobs
+
+
+def budget_series(swept_cells: list[dict], task: str, knobs: dict[str, str]) -> dict:
+    """(method, length) -> [(knob value, accuracy)] of one task's swept cells."""
+    series = {}
+    for c in swept_cells:
+        knob = knobs[c["method"]]
+        if c["task"] == task and knob in c["sweep"]:
+            series.setdefault((c["method"], c["length"]), []).append((c["sweep"][knob], c["accuracy"]))
+    return series
 
 
 def _save_panels(fig, axes, num_used: int, path: str) -> str:
