@@ -235,6 +235,19 @@ def test_hyper_params_route_shared_per_method_and_swept_knobs():
     assert len({v.variant_id for v in variants}) == 4
 
 
+def test_a_list_valued_knob_is_one_setting_and_a_list_of_lists_sweeps_it(tmp_path):
+    layers = {"omnikv": {"omnikv_filter_layers": [2, 8, 17], "omnikv_num_selected": [64, 128]}}
+    runner = Runner(RunConfig(methods=["omnikv"], hyper_params=layers, out_dir=str(tmp_path)),
+                    llm_factory=lambda *a: None, tokenizer=object())
+    omni = [v for v in runner.variants if v.method == "omnikv"]
+    assert [v.knobs["omnikv_filter_layers"] for v in omni] == [[2, 8, 17], [2, 8, 17]]
+    assert [v.sweep for v in omni] == [{"omnikv_num_selected": 64}, {"omnikv_num_selected": 128}]
+    sweep = {"deltakv": {"deltakv_full_layers": [[0, 1], None]}}
+    runner = Runner(RunConfig(methods=["deltakv"], hyper_params=sweep, out_dir=str(tmp_path)),
+                    llm_factory=lambda *a: None, tokenizer=object())
+    assert [v.knobs.get("deltakv_full_layers") for v in runner.variants] == [None, [0, 1], None]
+
+
 def test_hyper_params_errors_name_the_argument():
     with pytest.raises(ValueError, match="--methods.*bogus"):
         expand_variants(["bogus"], {}, registered=["vanilla", "quest"])

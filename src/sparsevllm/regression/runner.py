@@ -22,7 +22,8 @@ from sparsevllm.regression.fidelity import FIDELITY_TOKENS, compare, fidelity_sa
 from sparsevllm.regression.grading import score
 from sparsevllm.regression.prompts import PromptFormatter, Sample
 from sparsevllm.regression.tasks import SYNTHETIC_TASKS
-from sparsevllm.regression.variants import Variant, expand_variants, registered_methods
+from sparsevllm.regression.variants import (Variant, expand_variants, list_valued_knobs,
+                                             registered_methods)
 
 logger = logging.getLogger(__name__)
 
@@ -111,7 +112,7 @@ class Runner:
         self.llm_factory = llm_factory or default_llm_factory
         self.variants = expand_variants(
             config.methods, config.hyper_params,
-            None if llm_factory is not None else registered_methods())
+            None if llm_factory is not None else registered_methods(), list_valued_knobs())
         self.tokenizer = tokenizer or load_tokenizer(config.model)
         os.makedirs(config.out_dir, exist_ok=True)
         self.records_path = os.path.join(config.out_dir, "samples.jsonl")

@@ -28,14 +28,38 @@ def registered_methods() -> list[str] | None:
     return list(available_methods())
 
 
+def list_valued_knobs() -> set[str]:
+    """Method knobs whose value is itself a list (omnikv_filter_layers, deltakv_full_layers)."""
+    try:
+        from dataclasses import fields
+
+        from sparsevllm.method_registry import METHODS
+    except ImportError:
+        return set()
+    return {f.name for cls in METHODS.values() for f in fields(cls.config_cls)
+            if "list" in str(f.type)}
+
+
+def _is_sweep(knob: str, value, list_knobs) -> bool:
+    """A list value is a sweep, except for a list-valued knob, which sweeps only a list of lists
+    (None, the knob's default, allowed among them): [2, 8, 17] is one setting of filter layers."""
+    if not isinstance(value, list):
+        return False
+    if knob in list_knobs:
+        return bool(value) and all(isinstance(x, list) or x is None for x in value)
+    return True
+
+
 def expand_variants(methods: list[str], hyper_params: dict,
-                    registered: list[str] | None = None) -> list[Variant]:
+                    registered: list[str] | None = None,
+                    list_knobs: set[str] = frozenset()) -> list[Variant]:
     """Method names x --hyper_params -> variants, vanilla first.
 
     A top-level key naming a method holds that method's overrides; any other key applies to every
     method, except a knob prefixed by another method's name (`quest_token_budget` never reaches
     vanilla). A list value is swept: each value (each combination, for several lists) is its own
-    variant, labelled `method[knob=value]`.
+    variant, labelled `method[knob=value]`; a knob in `list_knobs` takes a list as one value and
+    sweeps a list of lists.
     """
     if not isinstance(hyper_params, dict):
         raise ValueError(f"--hyper_params must be a JSON object, got {type(hyper_params).__name__}")
@@ -56,7 +80,7 @@ def expand_variants(methods: list[str], hyper_params: dict,
         knobs = {k: v for k, v in shared.items()
                  if not any(k.startswith(other + "_") for other in names if other != method)}
         knobs.update(hyper_params.get(method, {}))
-        swept = [k for k, v in knobs.items() if isinstance(v, list)]
+        swept = [k for k, v in knobs.items() if _is_sweep(k, v, list_knobs)]
         for k in swept:
             if not knobs[k]:
                 raise ValueError(f"--hyper_params: swept knob {k!r} has an empty list")
