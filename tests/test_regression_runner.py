@@ -259,6 +259,14 @@ def test_hyper_params_errors_name_the_argument():
         Runner(RunConfig(tasks=["no_such_task"]), llm_factory=lambda *a: None, tokenizer=object())
 
 
+def test_bad_knobs_are_rejected_before_vanilla_runs(tmp_path):
+    with pytest.raises(ValueError, match=r"--hyper_params: quest\[.*quest_token_budgt"):
+        Runner(RunConfig(methods=["quest"], hyper_params={"quest": {"quest_token_budgt": [256]}},
+                         out_dir=str(tmp_path)), tokenizer=object())
+    with pytest.raises(ValueError, match="--hyper_params: vanilla: .*max_num_seqs"):
+        Runner(RunConfig(hyper_params={"max_num_seqs": 0}, out_dir=str(tmp_path)), tokenizer=object())
+
+
 def test_cli_parses_lengths_lists_and_json():
     config = parse_args(["--methods", "quest", "--lengths", "1k,2K,3000", "--samples", "3",
                          "--hyper_params", '{"quest": {"quest_token_budget": [256, 512]}}',

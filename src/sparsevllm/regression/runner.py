@@ -91,6 +91,17 @@ def load_tokenizer(model: str | None):
     return AutoTokenizer.from_pretrained(path)
 
 
+def check_knobs(model, variants: list[Variant]) -> None:
+    """Validate every variant's knobs as LLM() will, before anything runs: a misspelt or
+    out-of-range method knob would otherwise surface only once vanilla's whole run is done."""
+    from sparsevllm.method_registry import make_config
+    for v in variants:
+        try:
+            make_config(model, v.method, **v.knobs)
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"--hyper_params: {v.label}: {e}") from None
+
+
 def default_llm_factory(model, method: str, knobs: dict):
     from sparsevllm import LLM
     return LLM(model, vllm_sparse_method=method, **knobs)
@@ -113,6 +124,8 @@ class Runner:
         self.variants = expand_variants(
             config.methods, config.hyper_params,
             None if llm_factory is not None else registered_methods(), list_valued_knobs())
+        if llm_factory is None:
+            check_knobs(config.model, self.variants)
         self.tokenizer = tokenizer or load_tokenizer(config.model)
         os.makedirs(config.out_dir, exist_ok=True)
         self.records_path = os.path.join(config.out_dir, "samples.jsonl")
