@@ -183,6 +183,26 @@ def test_budget_plot_has_a_line_for_each_method_sweeping_its_own_knob(tmp_path, 
     assert budget["quest @ 512"] == ((256, 512), (100.0, 100.0))
 
 
+def test_rerun_with_another_dataset_metric_regrades(tmp_path, tokenizer, monkeypatch):
+    data = tmp_path / "qa.jsonl"
+    data.write_text(json.dumps({"context": "The capital of France is Paris. " * 40,
+                                "input": "Capital of France?", "answers": ["Paris"]}) + "\n")
+    calls = []
+    config = _config(tmp_path / "out", methods=[], hyper_params={}, tasks=[f"{data}:exact"],
+                     lengths=[512], samples=1)
+    summary = _fake_runner(config, tokenizer, calls, monkeypatch).run()
+    assert summary["cells"][0]["accuracy"] == 100.0  # the fake answers " Paris"
+    config.tasks = [f"{data}:rouge_l"]
+    calls.clear()
+    summary = _fake_runner(config, tokenizer, calls, monkeypatch).run()
+    assert calls == [("generate", 1)] and summary["cells"][0]["metric"] == "rouge_l"
+    data.write_text(json.dumps({"context": "The capital of France is Paris. " * 40,
+                                "input": "Capital of France?", "answers": ["Lyon"]}) + "\n")
+    calls.clear()
+    summary = _fake_runner(config, tokenizer, calls, monkeypatch).run()
+    assert calls == [("generate", 1)]  # corrected answers are graded again
+
+
 def test_fidelity_reference_is_recomputed_when_its_file_is_gone(tmp_path, tokenizer, monkeypatch):
     calls = []
     config = _config(tmp_path, tasks=["fidelity"], lengths=[512], samples=2)

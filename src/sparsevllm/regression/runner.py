@@ -82,6 +82,14 @@ def sample_key(variant: Variant, sample: Sample) -> str:
             f"{sample.index}|{sample.prompt_hash}")
 
 
+def _still_valid(record: dict | None, sample: Sample) -> bool:
+    """A stored record counts as done only if it was graded as this run grades the sample: the
+    key holds the prompt, not the metric (`data.jsonl:f1` -> `:rouge_l`) or a dataset's edited
+    answers, and a stale score would be reported under the new metric."""
+    return (record is not None and record.get("metric") == sample.metric
+            and record.get("expected") == sample.answers)
+
+
 def load_tokenizer(model: str | None):
     from transformers import AutoTokenizer
     path = model
@@ -183,7 +191,7 @@ class Runner:
         done = {k: r for k, r in self._load_records().items() if r.get("error") is None}
         plan = []
         for variant in self.variants:
-            todo = [s for s in samples if sample_key(variant, s) not in done]
+            todo = [s for s in samples if not _still_valid(done.get(sample_key(variant, s)), s)]
             if variant.method == "vanilla":
                 todo += self._missing_references(variant, samples, todo)
             plan.append((variant, todo))
