@@ -287,6 +287,18 @@ def test_bad_knobs_are_rejected_before_vanilla_runs(tmp_path):
         Runner(RunConfig(hyper_params={"max_num_seqs": 0}, out_dir=str(tmp_path)), tokenizer=object())
 
 
+def test_tasks_reported_under_one_name_are_rejected(tmp_path):
+    for name in ("a/qa.jsonl", "b/qa.jsonl", "fidelity.jsonl"):
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        (tmp_path / name).write_text("")
+    for tasks in ([f"{tmp_path}/a/qa.jsonl:f1", f"{tmp_path}/a/qa.jsonl:rouge_l"],
+                  [f"{tmp_path}/a/qa.jsonl", f"{tmp_path}/b/qa.jsonl"],
+                  [f"{tmp_path}/fidelity.jsonl"], ["fidelity", "fidelity"]):
+        with pytest.raises(ValueError, match="--tasks: .*reported as task"):
+            Runner(RunConfig(tasks=tasks, out_dir=str(tmp_path)), llm_factory=lambda *a: None,
+                   tokenizer=object())
+
+
 def test_cli_parses_lengths_lists_and_json():
     config = parse_args(["--methods", "quest", "--lengths", "1k,2K,3000", "--samples", "3",
                          "--hyper_params", '{"quest": {"quest_token_budget": [256, 512]}}',

@@ -71,10 +71,18 @@ def build_samples(tokenizer, config: RunConfig) -> list[Sample]:
 
 def validate_tasks(tasks: list[str]) -> None:
     valid = [*SYNTHETIC_TASKS, FIDELITY_TASK]
+    labels = {}
     for task in tasks:
         if task not in valid and ".jsonl" not in task:
             raise ValueError(f"--tasks: unknown task {task!r}; valid: {valid} or a "
                              "LongBench-format file 'path.jsonl[:metric]'")
+        label = task if task in valid else parse_dataset_spec(task)[0]
+        # Records and summary cells are keyed by the label (a dataset's file stem): two tasks
+        # under one label would overwrite each other's records and share a cell.
+        if label in labels or (task not in valid and label in valid):
+            raise ValueError(f"--tasks: {task!r} and {labels.get(label, label)!r} would both be "
+                             f"reported as task {label!r}; rename one of the files")
+        labels[label] = task
 
 
 def sample_key(variant: Variant, sample: Sample) -> str:
