@@ -273,6 +273,9 @@ def test_hyper_params_errors_name_the_argument():
         expand_variants(["bogus"], {}, registered=["vanilla", "quest"])
     with pytest.raises(ValueError, match="--hyper_params.*quest"):
         expand_variants(["quest"], {"quest": 5}, registered=["vanilla", "quest"])
+    for knobs in ({"snapkv": {"snapkv_capacity": [64]}}, {"snapkv_capacity": [64]}):
+        with pytest.raises(ValueError, match="--hyper_params: 'snapkv.*not in --methods"):
+            expand_variants(["quest"], knobs, registered=["vanilla", "quest", "snapkv"])
     with pytest.raises(ValueError, match="empty list"):
         expand_variants(["quest"], {"quest": {"quest_token_budget": []}}, registered=None)
     with pytest.raises(ValueError, match="--tasks"):

@@ -73,6 +73,12 @@ def expand_variants(methods: list[str], hyper_params: dict,
         if key in names and not isinstance(value, dict):
             raise ValueError(f"--hyper_params: the value of method key {key!r} must be an object "
                              f"of that method's knobs, got {value!r}")
+    # Knobs of a method that is not run would be dropped without a word: say so instead.
+    for key in hyper_params:
+        owner = next((m for m in sorted(names) if key == m or key.startswith(m + "_")), None)
+        if owner is not None and owner not in methods:
+            raise ValueError(f"--hyper_params: {key!r} belongs to method {owner!r}, which is not in "
+                             f"--methods ({', '.join(methods)})")
     shared = {k: v for k, v in hyper_params.items() if k not in names}
 
     variants = []
