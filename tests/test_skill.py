@@ -41,3 +41,43 @@ def test_hooks_named_by_the_skill_exist_on_the_base_class():
     hooks = set(re.findall(r"`(\w+)\(", skill_text()))
     for hook in ("on_kv_stored", "build_decode_view", "observe_prefill_queries", "chunk_size", "on_step_end"):
         assert hook in hooks and hasattr(CacheManager, hook)
+
+
+def test_hook_signatures_in_the_skill_match_the_base_class():
+    """`hook(a, b, c)` in the skill takes as many arguments as CacheManager's hook (self/cls aside)."""
+    import inspect
+
+    from sparsevllm.engine.cache_manager.base import CacheManager
+    checked = 0
+    for name, args in re.findall(r"`(\w+)\(([^`]*?)\)`", skill_text()):
+        if not hasattr(CacheManager, name) or not args.strip():
+            continue
+        params = [p for p in inspect.signature(getattr(CacheManager, name)).parameters if p != "self"]
+        assert len(args.split(",")) == len(params), f"skill: {name}({args}); base.py: {name}({', '.join(params)})"
+        checked += 1
+    assert checked >= 8
+
+
+def test_types_and_flags_named_by_the_skill_exist():
+    """DecodeView's fields, every Capabilities flag, and the class attributes a method must set."""
+    from dataclasses import fields
+
+    from sparsevllm.engine.cache_manager.base import Capabilities, CacheManager
+    from sparsevllm.engine.step import DecodeView
+    text = skill_text()
+    view = re.search(r"`DecodeView\(([^`]*)\)`", text)
+    assert view, "the skill should spell out DecodeView's fields"
+    names = [a.split()[0] for a in re.sub(r"\[[^\]]*\]", "", view.group(1)).split(",")]   # shapes aside
+    assert names == [f.name for f in fields(DecodeView)][:len(names)]
+    flags = {f.name for f in fields(Capabilities)}
+    assert flags <= set(re.findall(r"(\w+)=", text)), "every Capabilities flag should be explained"
+    for flag in re.findall(r"`Capabilities\(([^`]*)\)`", text):
+        assert {a.split("=")[0].strip() for a in flag.split(",") if "=" in a} <= flags
+    for attr in ("config_cls", "method_name", "capabilities", "decode_kv_tokens_read"):
+        assert attr in text and hasattr(CacheManager, attr)
+
+
+def test_tests_the_skill_names_exist():
+    tests = "\n".join(p.read_text() for p in (ROOT / "tests").glob("test_*.py"))
+    for name in re.findall(r"`(test_\w+|graph_shaped)`", skill_text()):
+        assert f"def {name}(" in tests, name

@@ -127,7 +127,7 @@ def test_failing_rank_raises_on_rank_0_instead_of_hanging(tiny_model):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
-@pytest.mark.parametrize("case", ["vanilla", "quest", "quest_shared", "omnikv", "snapkv"])
+@pytest.mark.parametrize("case", list(CASES))
 def test_tp2_equals_tp1_on_two_gpus(tiny_model, case):
     """NCCL, CUDA graphs with the all-reduces captured; fp32 so greedy tokens are comparable."""
     path = tiny_model("llama")
