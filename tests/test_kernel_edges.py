@@ -42,3 +42,23 @@ def test_select_pages_reference_breaks_ties_in_page_order(N, n, values):
     if not torch.cuda.is_available():
         got = qk.select_pages_triton(scores, bt, ctx, P, n)
         assert torch.equal(got[0], table) and torch.equal(got[1], lengths)
+
+
+@interp
+@pytest.mark.parametrize("G_is_heads,direct", [(False, False), (True, True), (False, True)])
+def test_decode_attention_empty_row_gives_zeros_in_kernel_and_reference(G_is_heads, direct, monkeypatch):
+    """A row of length 0 attends to nothing: zeros from both (the merge kernel's rule), not NaN."""
+    monkeypatch.setattr(da, "MIN_SPLIT_TOKENS", 1 << 30 if direct else 16)
+    g = torch.Generator().manual_seed(5)
+    B, Hq, Hkv, D, P, N = 3, 4, 2, 32, 4, 5
+    G = Hkv if G_is_heads else 1
+    k = torch.randn(B * G * N * P + 8, Hkv, D, generator=g)
+    v = torch.randn_like(k)
+    table = torch.randperm(B * G * N + 2, generator=g)[:B * G * N].view(B, G, N).int()
+    lengths = torch.tensor([0, 20, 1] * G, dtype=torch.int32).view(G, B).t().contiguous()
+    q = torch.randn(B, Hq, D, generator=g)
+    ref = da.decode_attention_ref(q, k, v, table, lengths, P, 0.2)
+    out = da.decode_attention_triton(q, k, v, table, lengths, P, 0.2)
+    assert not ref.isnan().any()
+    assert torch.equal(ref[0], torch.zeros_like(ref[0]))
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
