@@ -62,3 +62,38 @@ def test_decode_attention_empty_row_gives_zeros_in_kernel_and_reference(G_is_hea
     assert not ref.isnan().any()
     assert torch.equal(ref[0], torch.zeros_like(ref[0]))
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+@interp
+def test_select_pages_triton_reads_strided_cache_lens():
+    """cache_lens as a strided view (a column of a [B, 2] tensor): the kernel reads the row's own length."""
+    B, G, N, P, n = 3, 2, 40, 4, 5
+    scores, bt, ctx, _ = _select_case(1, B, G, N, P, 1000)
+    pair = torch.stack([ctx, torch.full_like(ctx, 7)], dim=1)        # [B, 2]: column 0 is ctx
+    got = qk.select_pages_triton(scores, bt, pair[:, 0], P, n)
+    want = qk.select_pages_ref(scores, bt, ctx, P, n)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+@interp
+def test_omnikv_kernels_read_strided_length_vectors():
+    g = torch.Generator().manual_seed(3)
+    B, Hq, Hkv, D, P, N = 3, 4, 2, 32, 4, 10
+    k = torch.randn((B * N + 2) * P, Hkv, D, generator=g)
+    q = torch.randn(B, Hq, D, generator=g)
+    bt = torch.randperm(B * N + 2, generator=g)[:B * N].view(B, N).int()
+    cl, pl, keep = torch.tensor([40, 17, 9]).int(), torch.tensor([33, 40, 2]).int(), torch.tensor([5, 3, 1]).int()
+
+    def strided(x):
+        return torch.stack([x, x * 0 + 1], dim=1)[:, 0]
+
+    want = ok.omnikv_scores_ref(q, k, bt, cl, pl, P, 0.3, "last")
+    got = ok.omnikv_scores_triton(q, k, bt, strided(cl), strided(pl), P, 0.3, "last")
+    fin = torch.isfinite(want)
+    assert torch.equal(fin, torch.isfinite(got))
+    torch.testing.assert_close(got[fin], want[fin], atol=1e-5, rtol=1e-5)
+    tw, lw = ok.select_tokens_ref(want, keep, bt, cl, pl, P)
+    tg, lg = ok.select_tokens_triton(want, strided(keep), bt, strided(cl), strided(pl), P)
+    assert torch.equal(lg, lw)
+    for b in range(B):
+        assert torch.equal(tg[b, 0, :lw[b, 0]], tw[b, 0, :lw[b, 0]])
