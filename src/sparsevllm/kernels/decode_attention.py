@@ -54,7 +54,7 @@ def decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     over KV group g's query heads of the raw logit q . k_t * scale for every t < lengths[b] (entries
     past the length are left as they are). A filter layer's dense attention reports its token
     scores this way (OmniKV) instead of reading the keys a second time; the max over g is the
-    caller's. One writer per entry: no atomics, no -inf fill."""
+    caller's. One writer per entry: no atomics, no -inf fill. A row of length 0 outputs zeros."""
     B, Hq, D = q.shape
     Hkv = k_cache.shape[1]
     G, N = table.shape[1], table.shape[2]
@@ -70,6 +70,7 @@ def decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         k, v = k_cache[slots, heads].float(), v_cache[slots, heads].float()   # [B, H_q, T, D]
         scores = torch.einsum("bhd,bhtd->bht", q.float(), k) * scale
         probs = torch.softmax(scores.masked_fill(~valid, float("-inf")), dim=-1)
+        probs = probs.masked_fill(~valid, 0.0)   # an empty row (length 0): zeros as the kernel, not NaN
         return torch.einsum("bht,bhtd->bhd", probs, v).to(q.dtype)
     if G == 1:
         k = k_cache[slots[:, 0]].transpose(1, 2)                          # [B, H_kv, T, D]
@@ -86,7 +87,7 @@ def decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         assert G == 1, "token_scores needs a decode view shared by all heads (G = 1)"
         best = scores.amax(dim=2)                                          # [B, H_kv, T]
         token_scores[:, :, :T] = torch.where(valid, best, token_scores[:, :, :T])
-    probs = torch.softmax(scores, dim=-1)
+    probs = torch.softmax(scores, dim=-1).masked_fill(~valid.unsqueeze(2), 0.0)   # length 0: zeros, not NaN
     out = torch.einsum("bhgt,bhtd->bhgd", probs, v.float())
     return out.reshape(B, Hq, D).to(q.dtype)
 

@@ -79,6 +79,7 @@ def gather_x_triton(k_cache, v_cache, slots, positions, cos_sin_cache, dtype=tor
     n, (_, H, D) = slots.shape[0], k_cache.shape
     assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1 and cos_sin_cache.stride(-1) == 1
     assert positions.shape == (n,) and D % 2 == 0
+    slots, positions = slots.contiguous(), positions.contiguous()   # read as ptr + i
     out = torch.empty(n, 2 * H * D, dtype=dtype, device=k_cache.device)
     if n:
         _gather_x_kernel[(n,)](k_cache, v_cache, slots, positions, cos_sin_cache, out,
@@ -344,6 +345,7 @@ def reconstruct_triton(view_pos, lengths, rows, raw_map, k_cache, v_cache, up_z,
     for t in (view_pos, raw_map, k_cache, v_cache, up_z, neighbors, latent_slots, cos_sin_cache, out_k, out_v):
         assert t.stride(-1) == 1
     assert out_k.stride() == out_v.stride() and up_z.shape[-1] == 2 * H * D and latent_slots.shape == (B, S)
+    lengths, rows = lengths.contiguous(), rows.contiguous()   # read as ptr + b
     if B and C:
         _reconstruct_kernel[(B, C)](
             view_pos, lengths, rows, raw_map, k_cache, v_cache, up_z, neighbors, latent_slots, cos_sin_cache,

@@ -56,6 +56,7 @@ def host_store_triton(k, v, host_k, host_v, host_slots) -> None:
     assert host_k.is_contiguous() and host_v.is_contiguous() and host_k.shape[1:] == (H, D)
     if T == 0:
         return
+    host_slots = host_slots.contiguous()   # read as ptr + t
     block = min(1024, pow2(H * D))
     _host_store_kernel[(T, -(-H * D // block))](k, v, host_k, host_v, host_slots, k.stride(0), k.stride(1),
                                                  v.stride(0), v.stride(1), H=H, D=D, BLOCK=block)
@@ -180,8 +181,10 @@ def swap_plan_triton(want, lengths, rows, active, current, clock, buf_key, buf_l
     assert buf_key.dtype == buf_last.dtype == buf_phys.dtype == torch.int32 and buf_key.stride(1) == 1
     table = torch.zeros(B, n, dtype=torch.int32, device=want.device)
     src = torch.full((B, n), -1, dtype=torch.int32, device=want.device)
-    _swap_plan_kernel[(B,)](want, lengths.to(torch.int32), rows, active.to(torch.int32), current.to(torch.int32),
-                            clock.to(torch.int32), buf_key, buf_last, buf_phys, table, src,
+    # the per-request vectors are read as ptr + b
+    _swap_plan_kernel[(B,)](want, lengths.to(torch.int32).contiguous(), rows.contiguous(),
+                            active.to(torch.int32).contiguous(), current.to(torch.int32).contiguous(),
+                            clock.to(torch.int32).contiguous(), buf_key, buf_last, buf_phys, table, src,
                             want.stride(0), table.stride(0), src.stride(0), buf_key.stride(0), E,
                             N=n, P=int(page_size), BLOCK_E=pow2(E), BLOCK_J=SWAP_CHUNK)
     return table, src

@@ -130,6 +130,7 @@ def omnikv_scores_triton(q: torch.Tensor, k_cache: torch.Tensor, block_tables: t
     T = N * P
     assert Hq % Hkv == 0 and q.stride(-1) == 1 and k_cache.stride(-1) == 1 and block_tables.stride(-1) == 1
     assert cache_lens.shape == (B,) and prompt_lens.shape == (B,) and selector in SELECTORS
+    cache_lens, prompt_lens = cache_lens.contiguous(), prompt_lens.contiguous()   # read as ptr + b
     nblk = -(-T // BLOCK_T)
     out = torch.empty(B, nblk * BLOCK_T, dtype=torch.float32, device=q.device)
     QG = Hq // Hkv
@@ -298,6 +299,7 @@ def select_tokens_triton(scores: torch.Tensor, keep: torch.Tensor, block_tables:
     P, N = int(page_size), block_tables.shape[1]
     assert T == N * P and scores.dtype == torch.float32 and scores.stride(-1) == 1
     assert block_tables.stride(-1) == 1 and keep.shape == cache_lens.shape == prompt_lens.shape == (B,)
+    keep, cache_lens, prompt_lens = keep.contiguous(), cache_lens.contiguous(), prompt_lens.contiguous()   # ptr + b
     dev = scores.device
     nblk = -(-T // SELECT_BLOCK)
     state = torch.empty(B, 2, dtype=torch.int64, device=dev)

@@ -155,6 +155,7 @@ def prefill_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
     assert Hq % Hkv == 0 and q.stride(-1) == 1 and k_cache.stride(-1) == 1
     assert v_cache.stride(-1) == 1 and block_tables.stride(-1) == 1
     out = torch.empty_like(q)
+    cu_seqlens_q, cache_lens = cu_seqlens_q.contiguous(), cache_lens.contiguous()   # read as ptr + b
     rows = T if max_seqlen_q is None else max_seqlen_q
     grid = (-(-rows // BLOCK_M), B, Hq)
     _prefill_paged_kernel[grid](

@@ -88,6 +88,7 @@ def page_minmax_triton(k_cache: torch.Tensor, last_slots: torch.Tensor, kmin: to
     """Same contract as page_minmax_ref; one program per (touched page, KV head)."""
     M = last_slots.shape[0]
     H, D = k_cache.shape[1], k_cache.shape[2]
+    last_slots = last_slots.contiguous()   # 1-D vectors are read as ptr + i (likewise below)
     assert last_slots.dim() == 1 and kmin.shape == kmax.shape and kmin.shape[1:] == (H, D)
     assert k_cache.stride(-1) == 1 and kmin.stride(-1) == 1 and kmax.stride(-1) == 1
     if M == 0:
@@ -290,6 +291,7 @@ def _scores_launch(q, kmin, kmax, block_tables, cache_lens, page_size, selection
         rq, k, v, k_out, positions, cos_sin, slots, k_cache, v_cache = (q,) * 9
     else:
         rq, k, v, positions, cos_sin, k_cache, v_cache, slots, k_out = store
+        positions, slots = positions.contiguous(), slots.contiguous()
         assert D % 2 == 0 and cos_sin.shape[-1] == D and rq.shape == q.shape and k.shape == k_out.shape == (B, Hkv, D)
         assert positions.shape == slots.shape == (B,)
         for x in (rq, k, v, k_out, cos_sin, k_cache, v_cache):
@@ -365,7 +367,9 @@ def select_pages_ref(scores: torch.Tensor, block_tables: torch.Tensor, cache_len
     ctx = cache_lens.long()
     current = (ctx - 1) // P
     # A row with more than n pages has at least n candidates, so the top n - 1 are all real pages.
-    top = scores.topk(n - 1, dim=-1, sorted=False).indices.sort(dim=-1).values
+    # Ties at the cut go to the earlier page, as in the Triton kernel: a stable sort (topk leaves
+    # that choice to the device and picked later pages on CPU).
+    top = scores.sort(dim=-1, descending=True, stable=True).indices[..., :n - 1].sort(dim=-1).values
     tables = block_tables.unsqueeze(1).expand(B, G, N)
     last = block_tables.gather(1, current.clamp(min=0).unsqueeze(1)).unsqueeze(1).expand(B, G, 1)
     sparse = torch.cat([tables.gather(2, top), last], dim=2)
@@ -491,7 +495,7 @@ def select_pages_triton(scores: torch.Tensor, block_tables: torch.Tensor, cache_
     block_n = pow2(N)
     on = pdl()
     _select_pages_kernel[(B, G)](
-        scores, block_tables, cache_lens.to(torch.int32), table, lengths,
+        scores, block_tables, cache_lens.to(torch.int32).contiguous(), table, lengths,
         scores.stride(0), scores.stride(1), block_tables.stride(0), table.stride(0), table.stride(1), N, G,
         P=int(page_size), NUM_PAGES=int(budget_pages), BLOCK_N=block_n, BLOCK_K=pow2(budget_pages),
         PACKED=N < PACKED_MAX_PAGES, PDL=on, num_warps=max(4, min(8, block_n // 1024)),   # 8 measured best at N = 8K

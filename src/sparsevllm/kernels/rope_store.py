@@ -126,6 +126,7 @@ def rope_store_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positio
     if bounds:
         assert kmax is not None and kmin.shape == kmax.shape and kmin.stride() == kmax.stride()
         assert kmin.shape[1:] == (HK, D) and kmin.dtype == k_cache.dtype
+    positions, slot_mapping = positions.contiguous(), slot_mapping.contiguous()   # read as ptr + t
     q_out, k_out = torch.empty_like(q), torch.empty_like(k)
     if T:
         mn, mx = (kmin, kmax) if bounds else (k_cache, k_cache)   # unused without bounds
