@@ -114,3 +114,13 @@ def test_sliding_window_caps_the_context_where_attention_is_exact(tiny_model):
     assert ModelConfig.from_dict(dict(base, architectures=["Qwen2ForCausalLM"], use_sliding_window=True,
                                       max_window_layers=21)).sliding_window == 131072
     assert ModelConfig.from_dict(dict(base, architectures=["LlamaForCausalLM"])).sliding_window is None
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_attention_bias_matches_transformers(tiny_model, arch):
+    """attention_bias=True (Llama-architecture conversions, Qwen3's config field) puts a bias on
+    q, k, v and o_proj."""
+    path = tiny_model(arch, attention_bias=True)
+    sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    outs = LLM(path, page_size=4).generate(PROMPTS[:2], sp, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(path, p, 8) for p in PROMPTS[:2]]
