@@ -189,3 +189,11 @@ def test_seeds_at_the_ends_of_the_generators_range(tiny_model):
                            use_tqdm=False)[0]
         assert [o.finish_reason for o in out.outputs] == ["length", "length"]
     assert not llm.engine.has_work() and llm.engine.cache_manager.allocator.is_idle()
+
+
+@pytest.mark.parametrize("field, value", [("hidden_act", "gelu"), ("mlp_bias", True)])
+def test_config_fields_the_models_do_not_implement_are_named(tiny_model, field, value):
+    """Hugging Face builds these (another activation; biases on gate/up/down) and our MLP does not:
+    refused by name, not silently computed with SiLU or failing on an unplaced checkpoint tensor."""
+    with pytest.raises(ValueError, match=f"{field}={value!r}"):
+        LLM(tiny_model("llama", **{field: value}))

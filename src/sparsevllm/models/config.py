@@ -27,6 +27,12 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> "ModelConfig":
+        # Fields Hugging Face's Llama honours and our MLP (SiLU, no biases) does not: computing with
+        # them ignored would give other tokens, or fail late on an unplaced checkpoint tensor.
+        if d.get("hidden_act", "silu") not in ("silu", "swish"):
+            raise ValueError(f"config.json hidden_act={d['hidden_act']!r} is not supported; supported: 'silu'")
+        if d.get("mlp_bias"):
+            raise ValueError(f"config.json mlp_bias={d['mlp_bias']!r} is not supported; supported: false")
         heads = d["num_attention_heads"]
         rope = dict(d.get("rope_parameters") or {})
         scaling = d.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
