@@ -197,3 +197,17 @@ def test_config_fields_the_models_do_not_implement_are_named(tiny_model, field, 
     refused by name, not silently computed with SiLU or failing on an unplaced checkpoint tensor."""
     with pytest.raises(ValueError, match=f"{field}={value!r}"):
         LLM(tiny_model("llama", **{field: value}))
+
+
+@pytest.mark.parametrize("field, value", [("vocab_size", 200), ("intermediate_size", 96), ("head_dim", 8),
+                                          ("num_key_value_heads", 1)])
+def test_a_config_that_does_not_match_its_checkpoint_is_refused(tmp_path, tiny_model, field, value):
+    """Hugging Face refuses checkpoint tensors of another shape than config.json implies; reading
+    the first rows or columns of a larger tensor would load a different model without a word."""
+    import shutil
+    src = tiny_model("llama")
+    shutil.copy(f"{src}/model.safetensors", tmp_path / "model.safetensors")
+    cfg = json.loads(open(f"{src}/config.json").read())
+    (tmp_path / "config.json").write_text(json.dumps(dict(cfg, **{field: value})))
+    with pytest.raises(ValueError, match="checkpoint shape .* does not match config.json"):
+        LLM(str(tmp_path))

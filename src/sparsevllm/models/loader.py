@@ -46,14 +46,17 @@ def load_weights(model: torch.nn.Module, path: str) -> None:
                 owner = model.get_submodule(target.rpartition(".")[0]) if "." in target else model
                 if hasattr(owner, "weight_loader"):
                     # tensor-parallel layer: it reads only this rank's slice out of the file
-                    owner.weight_loader(param, f.get_slice(hf_name), shard[1] if shard else None)
+                    try:
+                        owner.weight_loader(param, f.get_slice(hf_name), shard[1] if shard else None)
+                    except ValueError as e:
+                        raise ValueError(f"{hf_name} in {file}: {e}") from None
                     loaded.add((target, shard[1] if shard else None))
                     continue
                 tensor = f.get_tensor(hf_name)
                 if shard is None:
                     if param.shape != tensor.shape:
-                        raise ValueError(f"{hf_name}: checkpoint shape {tuple(tensor.shape)} != model "
-                                         f"{tuple(param.shape)}")
+                        raise ValueError(f"{hf_name} in {file}: checkpoint shape {tuple(tensor.shape)} does not "
+                                         f"match config.json (expects {tuple(param.shape)})")
                     param.data.copy_(tensor)
                 else:
                     sizes = model.shard_sizes(shard[0])
