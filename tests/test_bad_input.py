@@ -211,3 +211,21 @@ def test_a_config_that_does_not_match_its_checkpoint_is_refused(tmp_path, tiny_m
     (tmp_path / "config.json").write_text(json.dumps(dict(cfg, **{field: value})))
     with pytest.raises(ValueError, match="checkpoint shape .* does not match config.json"):
         LLM(str(tmp_path))
+
+
+def test_extra_and_missing_checkpoint_tensors_are_all_listed_by_their_checkpoint_names(tmp_path, tiny_model):
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+    src = tiny_model("llama")
+    shutil.copy(f"{src}/config.json", tmp_path / "config.json")
+    sd = load_file(f"{src}/model.safetensors")
+    del sd["model.layers.1.mlp.up_proj.weight"], sd["model.norm.weight"]
+    sd["model.layers.0.self_attn.extra.weight"], sd["model.foo"] = torch.zeros(1), torch.zeros(1)
+    save_file(sd, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError) as e:
+        LLM(str(tmp_path))
+    for name in ("model.layers.0.self_attn.extra.weight", "model.foo", "model.layers.1.mlp.up_proj.weight",
+                 "model.norm.weight"):
+        assert repr(name) in str(e.value)
