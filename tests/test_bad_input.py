@@ -229,3 +229,12 @@ def test_extra_and_missing_checkpoint_tensors_are_all_listed_by_their_checkpoint
     for name in ("model.layers.0.self_attn.extra.weight", "model.foo", "model.layers.1.mlp.up_proj.weight",
                  "model.norm.weight"):
         assert repr(name) in str(e.value)
+
+
+@pytest.mark.parametrize("scaling", [{"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256},
+                                     {"type": "dynamic", "factor": 2.0}])
+def test_unsupported_rope_scaling_is_named(tiny_model, scaling):
+    """Llama-3.1's llama3 and linear scaling are implemented; another kind would rotate differently."""
+    kind = scaling.get("rope_type", scaling.get("type"))
+    with pytest.raises(ValueError, match=f"rope_scaling type '{kind}'.*supported: default, linear, llama3"):
+        LLM(tiny_model("llama", rope_scaling=scaling))
