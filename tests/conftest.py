@@ -98,10 +98,11 @@ def make_tiny_model(path, arch: str = "llama", seed: int = 0, max_shard_size=Non
     config = getattr(transformers, spec["cls"])(**kw)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    if arch == "qwen2":  # HF initialises biases to zero; make them matter
-        with torch.no_grad():
-            for layer in model.model.layers:
-                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+    with torch.no_grad():  # HF initialises biases (Qwen2's, attention_bias=True) to zero; make them matter
+        for layer in model.model.layers:
+            attn = layer.self_attn
+            for proj in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj):
+                if proj.bias is not None:
                     proj.bias.normal_(0, 0.2)
     model.save_pretrained(path, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
     return str(path)

@@ -189,3 +189,52 @@ def test_seeds_at_the_ends_of_the_generators_range(tiny_model):
                            use_tqdm=False)[0]
         assert [o.finish_reason for o in out.outputs] == ["length", "length"]
     assert not llm.engine.has_work() and llm.engine.cache_manager.allocator.is_idle()
+
+
+@pytest.mark.parametrize("field, value", [("hidden_act", "gelu"), ("mlp_bias", True)])
+def test_config_fields_the_models_do_not_implement_are_named(tiny_model, field, value):
+    """Hugging Face builds these (another activation; biases on gate/up/down) and our MLP does not:
+    refused by name, not silently computed with SiLU or failing on an unplaced checkpoint tensor."""
+    with pytest.raises(ValueError, match=f"{field}={value!r}"):
+        LLM(tiny_model("llama", **{field: value}))
+
+
+@pytest.mark.parametrize("field, value", [("vocab_size", 200), ("intermediate_size", 96), ("head_dim", 8),
+                                          ("num_key_value_heads", 1)])
+def test_a_config_that_does_not_match_its_checkpoint_is_refused(tmp_path, tiny_model, field, value):
+    """Hugging Face refuses checkpoint tensors of another shape than config.json implies; reading
+    the first rows or columns of a larger tensor would load a different model without a word."""
+    import shutil
+    src = tiny_model("llama")
+    shutil.copy(f"{src}/model.safetensors", tmp_path / "model.safetensors")
+    cfg = json.loads(open(f"{src}/config.json").read())
+    (tmp_path / "config.json").write_text(json.dumps(dict(cfg, **{field: value})))
+    with pytest.raises(ValueError, match="checkpoint shape .* does not match config.json"):
+        LLM(str(tmp_path))
+
+
+def test_extra_and_missing_checkpoint_tensors_are_all_listed_by_their_checkpoint_names(tmp_path, tiny_model):
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+    src = tiny_model("llama")
+    shutil.copy(f"{src}/config.json", tmp_path / "config.json")
+    sd = load_file(f"{src}/model.safetensors")
+    del sd["model.layers.1.mlp.up_proj.weight"], sd["model.norm.weight"]
+    sd["model.layers.0.self_attn.extra.weight"], sd["model.foo"] = torch.zeros(1), torch.zeros(1)
+    save_file(sd, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError) as e:
+        LLM(str(tmp_path))
+    for name in ("model.layers.0.self_attn.extra.weight", "model.foo", "model.layers.1.mlp.up_proj.weight",
+                 "model.norm.weight"):
+        assert repr(name) in str(e.value)
+
+
+@pytest.mark.parametrize("scaling", [{"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256},
+                                     {"type": "dynamic", "factor": 2.0}])
+def test_unsupported_rope_scaling_is_named(tiny_model, scaling):
+    """Llama-3.1's llama3 and linear scaling are implemented; another kind would rotate differently."""
+    kind = scaling.get("rope_type", scaling.get("type"))
+    with pytest.raises(ValueError, match=f"rope_scaling type '{kind}'.*supported: default, linear, llama3"):
+        LLM(tiny_model("llama", rope_scaling=scaling))

@@ -91,3 +91,36 @@ def test_decode_gemms_with_the_norm_in_their_epilogues_match_transformers(tiny_m
     assert calls, "the fused path never ran"
     assert bool(stores) == (arch != "qwen3"), "RoPE and the store belong in the qkv epilogue without q/k norms"
     assert llm.engine.cache_manager.allocator.is_idle()
+
+
+def test_sliding_window_caps_the_context_where_attention_is_exact(tiny_model):
+    """Mistral-7B-v0.1 (and Qwen with use_sliding_window) attend over the last sliding_window
+    tokens only; we attend over the whole context, which is the same only while a sequence fits
+    the window. So the window caps the default max_model_len and a longer one is refused."""
+    from sparsevllm.models.config import ModelConfig
+    path = tiny_model("mistral", sliding_window=16)
+    llm = LLM(path, page_size=4)
+    assert llm.engine.config.max_model_len == 16
+    prompt = PROMPTS[0]
+    sp = SamplingParams(temperature=0.0, max_tokens=16 - len(prompt), ignore_eos=True)
+    assert llm.generate(prompt, sp, use_tqdm=False)[0].outputs[0].token_ids == hf_greedy(path, prompt, 7)
+    with pytest.raises(ValueError, match="sliding_window=16"):
+        LLM(path, max_model_len=32)
+    base = dict(vocab_size=8, hidden_size=8, intermediate_size=8, num_hidden_layers=28, num_attention_heads=1,
+                sliding_window=131072)
+    # Qwen2.5's config.json: a window that is switched off (use_sliding_window false, no layer_types)
+    assert ModelConfig.from_dict(dict(base, architectures=["Qwen2ForCausalLM"], use_sliding_window=False,
+                                      max_window_layers=21)).sliding_window is None
+    assert ModelConfig.from_dict(dict(base, architectures=["Qwen2ForCausalLM"], use_sliding_window=True,
+                                      max_window_layers=21)).sliding_window == 131072
+    assert ModelConfig.from_dict(dict(base, architectures=["LlamaForCausalLM"])).sliding_window is None
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_attention_bias_matches_transformers(tiny_model, arch):
+    """attention_bias=True (Llama-architecture conversions, Qwen3's config field) puts a bias on
+    q, k, v and o_proj."""
+    path = tiny_model(arch, attention_bias=True)
+    sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    outs = LLM(path, page_size=4).generate(PROMPTS[:2], sp, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(path, p, 8) for p in PROMPTS[:2]]

@@ -40,11 +40,20 @@ class LLMEngine:
         raw = read_config_json(model_path)
         get_model_class(config_architecture(raw))  # an unsupported architecture is named before its keys are read
         self.model_config = model_cfg = ModelConfig.from_dict(raw)
+        context, limit = model_cfg.max_position_embeddings, "max_position_embeddings"
+        if model_cfg.sliding_window is not None and model_cfg.sliding_window < context:
+            # The model attends over its last sliding_window tokens only; every method here attends
+            # over the whole context, which is the same attention only while a sequence fits the window.
+            context, limit = model_cfg.sliding_window, "sliding_window"
         if config.max_model_len is None:
-            config.max_model_len = model_cfg.max_position_embeddings
-        elif config.max_model_len > model_cfg.max_position_embeddings:
+            config.max_model_len = context
+            if limit == "sliding_window":
+                logger.warning("max_model_len is %d, the model's sliding_window: sliding-window attention is "
+                               "not implemented, and full attention differs beyond the window", context)
+        elif config.max_model_len > context:
             raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's context "
-                             f"(max_position_embeddings={model_cfg.max_position_embeddings})")
+                             f"({limit}={context}" + ("; sliding-window attention is not implemented"
+                                                      if limit == "sliding_window" else "") + ")")
         method_cls = get_method(config.vllm_sparse_method)
         method_cls.validate_model(config, model_cfg)   # knobs against the model's shape, before weights load
         self.config = config

@@ -21,15 +21,26 @@ from sparsevllm.kernels.skinny_gemm import linear, linear_rope_store, linear_sil
 FUSED_NORM = os.environ.get("SPARSEVLLM_FUSED_NORM", "1") != "0"
 
 
-def narrow(loaded, dim: int, start: int, n: int) -> torch.Tensor:
+def check_shape(loaded, expected) -> None:
+    """A checkpoint tensor of another shape than config.json implies is refused, as Hugging Face
+    does: narrowing a larger one would silently load its first rows or columns as the model."""
+    shape = tuple(loaded.shape) if isinstance(loaded, torch.Tensor) else tuple(loaded.get_shape())
+    if shape != tuple(expected):
+        raise ValueError(f"checkpoint shape {shape} does not match config.json (expects {tuple(expected)})")
+
+
+def narrow(loaded, dim: int, start: int, n: int, full_size: int, param: torch.Tensor) -> torch.Tensor:
     """`loaded.narrow` for a tensor or a safetensors slice (f.get_slice(name)): on a slice only the
-    rank's rows/columns are read from the file, never the whole checkpoint tensor."""
+    rank's rows/columns are read from the file, never the whole checkpoint tensor. The checkpoint
+    tensor must be `param`'s shape but full_size (all ranks' n) along dim."""
+    check_shape(loaded, param.shape[:dim] + (full_size,) + param.shape[dim + 1:])
     if isinstance(loaded, torch.Tensor):
         return loaded.narrow(dim, start, n)
     return loaded[start:start + n] if dim == 0 else loaded[:, start:start + n]
 
 
-def full(loaded) -> torch.Tensor:
+def full(loaded, param: torch.Tensor) -> torch.Tensor:
+    check_shape(loaded, param.shape)
     return loaded if isinstance(loaded, torch.Tensor) else loaded[:]
 
 
@@ -49,7 +60,7 @@ class ColumnParallelLinear(nn.Module):
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None):
         n = param.shape[0]
-        param.data.copy_(narrow(loaded, 0, self.tp_rank * n, n))
+        param.data.copy_(narrow(loaded, 0, self.tp_rank * n, n, n * self.tp_size, param))
 
     def forward(self, x, row_norm=None):
         """row_norm: x came from RowParallelLinear.add_norm's fused path (rows still to scale by 1 / rms)."""
@@ -66,7 +77,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     def weight_loader(self, param, loaded, shard_id: int):
         n = self.sizes[shard_id] // self.tp_size
         off = sum(self.sizes[:shard_id]) // self.tp_size
-        param.data.narrow(0, off, n).copy_(narrow(loaded, 0, self.tp_rank * n, n))
+        param.data.narrow(0, off, n).copy_(narrow(loaded, 0, self.tp_rank * n, n, self.sizes[shard_id], param))
 
     def silu_mul(self, x, row_norm=None):
         """SiLU(gate) * up of this projection ([gate_r | up_r] on every rank), fused on decode steps."""
@@ -96,7 +107,7 @@ class QKVParallelLinear(ColumnParallelLinear):
     def weight_loader(self, param, loaded, shard_id: int):
         n = (self.q_size, self.kv_size, self.kv_size)[shard_id]
         off = (0, self.q_size, self.q_size + self.kv_size)[shard_id]
-        param.data.narrow(0, off, n).copy_(narrow(loaded, 0, self.tp_rank * n, n))
+        param.data.narrow(0, off, n).copy_(narrow(loaded, 0, self.tp_rank * n, n, n * self.tp_size, param))
 
 
 class RowParallelLinear(nn.Module):
@@ -112,10 +123,10 @@ class RowParallelLinear(nn.Module):
 
     def weight_loader(self, param, loaded, shard_id=None):
         if param is self.bias:
-            param.data.copy_(full(loaded))
+            param.data.copy_(full(loaded, param))
             return
         n = param.shape[1]
-        param.data.copy_(narrow(loaded, 1, self.tp_rank * n, n))
+        param.data.copy_(narrow(loaded, 1, self.tp_rank * n, n, n * self.tp_size, param))
 
     def forward(self, x):
         y = linear(x, self.weight)
@@ -152,7 +163,7 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = nn.Parameter(torch.empty(self.part, hidden))
 
     def weight_loader(self, param, loaded, shard_id=None):
-        param.data.copy_(narrow(loaded, 0, self.start, self.part))
+        param.data.copy_(narrow(loaded, 0, self.start, self.part, self.part * self.tp_size, param))
 
     def forward(self, ids):
         if self.tp_size == 1:

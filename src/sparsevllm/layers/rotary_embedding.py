@@ -26,7 +26,7 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Te
         mid = (1 - smooth) * scaled / factor + smooth * scaled
         is_mid = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         return torch.where(is_mid, mid, scaled)
-    raise ValueError(f"unsupported rope scaling type {kind!r}; supported: default, linear, llama3")
+    raise ValueError(f"config.json rope_scaling type {kind!r} is not supported; supported: default, linear, llama3")
 
 
 class RotaryEmbedding(nn.Module):

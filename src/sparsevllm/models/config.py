@@ -21,11 +21,18 @@ class ModelConfig:
     max_position_embeddings: int
     tie_word_embeddings: bool
     attention_bias: bool
+    sliding_window: int | None   # the window Hugging Face applies to some layer, None: full attention
     eos_token_id: list[int]
     raw: dict
 
     @classmethod
     def from_dict(cls, d: dict) -> "ModelConfig":
+        # Fields Hugging Face's Llama honours and our MLP (SiLU, no biases) does not: computing with
+        # them ignored would give other tokens, or fail late on an unplaced checkpoint tensor.
+        if d.get("hidden_act", "silu") not in ("silu", "swish"):
+            raise ValueError(f"config.json hidden_act={d['hidden_act']!r} is not supported; supported: 'silu'")
+        if d.get("mlp_bias"):
+            raise ValueError(f"config.json mlp_bias={d['mlp_bias']!r} is not supported; supported: false")
         heads = d["num_attention_heads"]
         rope = dict(d.get("rope_parameters") or {})
         scaling = d.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
@@ -40,7 +47,24 @@ class ModelConfig:
             rope_theta=float(theta), rope_scaling=scaling,
             max_position_embeddings=d.get("max_position_embeddings", 4096),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            attention_bias=bool(d.get("attention_bias", False)), eos_token_id=eos, raw=d)
+            attention_bias=bool(d.get("attention_bias", False)), sliding_window=active_sliding_window(d),
+            eos_token_id=eos, raw=d)
+
+
+def active_sliding_window(d: dict) -> int | None:
+    """The sliding_window that Hugging Face's model of this config applies to at least one layer.
+    Mistral applies it to every layer when set; Qwen2/Qwen3 configs (Qwen2.5's among them) carry a
+    sliding_window that is off unless use_sliding_window, and then only from max_window_layers on
+    (or as layer_types says); Llama ignores the field."""
+    window, arch = d.get("sliding_window"), config_architecture(d)
+    if not window or arch not in ("MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+        return None
+    if d.get("layer_types"):
+        return window if "sliding_attention" in d["layer_types"] else None
+    if arch == "MistralForCausalLM":
+        return window
+    on = d.get("use_sliding_window", False) and d.get("max_window_layers", 28) < d["num_hidden_layers"]
+    return window if on else None
 
 
 def config_architecture(d: dict) -> str:

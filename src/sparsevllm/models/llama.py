@@ -21,10 +21,12 @@ class DecoderAttention(nn.Module):
         super().__init__()
         self.head_dim = cfg.head_dim
         self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads,
-                                          cfg.num_key_value_heads, bias=qkv_bias)
+                                          cfg.num_key_value_heads, bias=qkv_bias or cfg.attention_bias)
         self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size   # this rank's heads
         self.num_heads, self.num_kv_heads = self.q_size // self.head_dim, self.kv_size // self.head_dim
-        self.o_proj = RowParallelLinear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size, bias=False)
+        # attention_bias (Llama / Qwen3 config field, as in Hugging Face): a bias on q, k, v and o_proj.
+        self.o_proj = RowParallelLinear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size,
+                                        bias=cfg.attention_bias)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if qk_norm else None
         self.attn = Attention(layer_id, self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5, rope)

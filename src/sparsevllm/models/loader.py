@@ -25,7 +25,7 @@ def _checkpoint_files(path: str) -> list[str]:
 
 def load_weights(model: torch.nn.Module, path: str) -> None:
     params = dict(model.named_parameters())
-    loaded = set()
+    loaded, unexpected = set(), []
     for file in _checkpoint_files(path):
         with safe_open(file, framework="pt", device="cpu") as f:
             for hf_name in f.keys():
@@ -40,20 +40,23 @@ def load_weights(model: torch.nn.Module, path: str) -> None:
                         target, shard = name.replace(hf_part, packed), (packed, idx)
                         break
                 if target not in params:
-                    raise ValueError(f"checkpoint tensor {hf_name!r} in {file} has no place in "
-                                     f"{type(model).__name__}")
+                    unexpected.append(hf_name)   # reported with every other mismatch after the pass
+                    continue
                 param = params[target]
                 owner = model.get_submodule(target.rpartition(".")[0]) if "." in target else model
                 if hasattr(owner, "weight_loader"):
                     # tensor-parallel layer: it reads only this rank's slice out of the file
-                    owner.weight_loader(param, f.get_slice(hf_name), shard[1] if shard else None)
+                    try:
+                        owner.weight_loader(param, f.get_slice(hf_name), shard[1] if shard else None)
+                    except ValueError as e:
+                        raise ValueError(f"{hf_name} in {file}: {e}") from None
                     loaded.add((target, shard[1] if shard else None))
                     continue
                 tensor = f.get_tensor(hf_name)
                 if shard is None:
                     if param.shape != tensor.shape:
-                        raise ValueError(f"{hf_name}: checkpoint shape {tuple(tensor.shape)} != model "
-                                         f"{tuple(param.shape)}")
+                        raise ValueError(f"{hf_name} in {file}: checkpoint shape {tuple(tensor.shape)} does not "
+                                         f"match config.json (expects {tuple(param.shape)})")
                     param.data.copy_(tensor)
                 else:
                     sizes = model.shard_sizes(shard[0])
@@ -67,10 +70,21 @@ def load_weights(model: torch.nn.Module, path: str) -> None:
             expected.update((name, i) for i in range(len(model.shard_sizes(packed))))
         elif not (name == "lm_head.weight" and model.cfg.tie_word_embeddings):
             expected.add((name, None))
-    missing = sorted(str(m) for m in expected - loaded)
-    if missing:
-        raise ValueError(f"checkpoint in {path!r} lacks weights: {', '.join(missing[:5])}"
-                         + (" ..." if len(missing) > 5 else ""))
+    missing = sorted(_checkpoint_name(model, name, shard) for name, shard in expected - loaded)
+    if unexpected or missing:
+        def listed(names):
+            return ", ".join(repr(n) for n in names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+        raise ValueError(f"checkpoint in {path!r} does not match {type(model).__name__} for its config.json:"
+                         + (f" tensors with no place in the model: {listed(unexpected)};" if unexpected else "")
+                         + (f" weights missing from the checkpoint: {listed(missing)}" if missing else ""))
+
+
+def _checkpoint_name(model: torch.nn.Module, name: str, shard: int | None) -> str:
+    """Our parameter (and shard of a packed one) under its Hugging Face checkpoint name."""
+    for hf_part, packed in model.packed_modules.items():
+        if packed == (name.split(".")[-2], shard):
+            name = name.replace(packed[0], hf_part)
+    return name if name.startswith("lm_head.") else "model." + name
 
 
 def init_dummy_weights(model: torch.nn.Module, seed: int = 0) -> None:
