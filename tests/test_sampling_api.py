@@ -257,3 +257,73 @@ def test_closing_a_stream_aborts_samples_still_running_after_the_first_finished(
         async_llm.shutdown()
     assert [s.finish_reason for s in added[0].group] == ["stop", "abort"]
     assert llm.engine.cache_manager.allocator.is_idle()
+
+
+def _wait_idle(engine, seconds=10.0):
+    import time
+    end = time.time() + seconds
+    while engine.has_work() and time.time() < end:
+        time.sleep(0.01)
+
+
+def test_a_stream_closed_before_the_engine_thread_takes_it_is_aborted(tiny):
+    """AsyncLLM: a client gone before its request reached the engine (the engine thread was busy)
+    does not leave it running to max_tokens for nobody."""
+    import asyncio
+    import time
+
+    from sparsevllm.engine.async_engine import AsyncLLM
+    llm = LLM(tiny, device="cpu")
+    added = []
+    add_request = llm.engine.add_request
+
+    def slow_add(*a, **k):   # the engine thread takes the request only after the client left
+        time.sleep(0.3)
+        added.append(add_request(*a, **k))
+        return added[-1]
+    llm.engine.add_request = slow_add
+    async_llm = AsyncLLM(llm.engine)
+
+    async def client():
+        stream = async_llm.generate(prompts([12], seed=4)[0], SamplingParams(max_tokens=300, ignore_eos=True))
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(stream.__anext__(), timeout=0.05)
+        await stream.aclose()
+
+    try:
+        asyncio.run(client())
+        time.sleep(0.5)
+        _wait_idle(llm.engine)
+        assert async_llm._thread.is_alive()
+    finally:
+        async_llm.shutdown()
+    assert [s.finish_reason for s in added[0].group] == ["abort"] and added[0].num_completion_tokens < 300
+    assert llm.engine.cache_manager.allocator.is_idle()
+
+
+def test_a_closed_client_loop_does_not_stop_the_engine_thread(tiny):
+    """Publishing to a client's event loop that is closed (asyncio.run returned while the engine
+    thread still held its request) aborts that request; the thread serves the next client."""
+    import asyncio
+    import time
+
+    from sparsevllm.engine.async_engine import AsyncLLM, _Stream
+    llm = LLM(tiny, device="cpu")
+    async_llm = AsyncLLM(llm.engine)
+    try:
+        dead = asyncio.new_event_loop()
+        dead.close()
+        async_llm._inbox.put(("add", prompts([12], seed=5)[0], SamplingParams(max_tokens=300, ignore_eos=True),
+                              _Stream(dead), time.perf_counter()))
+        async_llm._wake.set()
+        _wait_idle(llm.engine)
+        assert async_llm._thread.is_alive() and not async_llm._streams
+
+        async def client():
+            outs = [o async for o in async_llm.generate(prompts([10], seed=6)[0], GREEDY)]
+            return outs[-1].outputs[0]
+        last = asyncio.run(client())
+        assert last.finish_reason == "length" and len(last.token_ids) == 12
+    finally:
+        async_llm.shutdown()
+    assert llm.engine.cache_manager.allocator.is_idle()

@@ -59,7 +59,18 @@ class _Stream:
         self.sent = 0
 
     def push(self, item) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        _call_soon(self.loop, self.queue.put_nowait, item)
+
+
+def _call_soon(loop: asyncio.AbstractEventLoop, fn, arg) -> bool:
+    """Schedule fn(arg) on a client's event loop from the engine thread. A loop that is closed (its
+    client finished with asyncio.run while the engine was busy) reads nothing any more: False, and
+    the engine thread carries on instead of dying for every other request."""
+    try:
+        loop.call_soon_threadsafe(fn, arg)
+        return True
+    except RuntimeError:
+        return False
 
 
 def _deliver(batch: list) -> None:
@@ -86,17 +97,22 @@ class AsyncLLM:
         # Stamped here, not when the engine thread takes it: TTFT then counts the wait for a step.
         self._inbox.put(("add", prompt, params, stream, time.perf_counter()))
         self._wake.set()
+        done = False
         try:
             while True:
                 item = await stream.queue.get()
                 if isinstance(item, BaseException):
+                    done = True
                     raise item
                 yield item
                 if item.finished:
+                    done = True
                     return
         finally:
-            # every sample: the first may have finished while the others still run
-            if stream.seq is not None and not all(s.is_finished for s in stream.seq.group):
+            # Closed early: abort, also when the engine thread has not taken the request yet (the
+            # inbox is in order, so the abort finds it added); the engine thread checks whether any
+            # sample still runs (the first may have finished while the others run on).
+            if not done:
                 self._inbox.put(("abort", stream))
                 self._wake.set()
 
@@ -133,15 +149,19 @@ class AsyncLLM:
                 _, prompt, params, stream, received = item
                 try:
                     seq = self.engine.add_request(prompt, params, arrival_time=received)
-                except (ValueError, TypeError) as e:
+                except (ValueError, TypeError) as e:   # the client's mistake: its own error
                     stream.push(e)
+                    continue
+                except Exception as e:  # noqa: BLE001 - fails this request, not the engine thread
+                    logger.exception("adding a request failed")
+                    stream.push(RuntimeError(f"internal error: {type(e).__name__}: {e}"))
                     continue
                 stream.seq = seq
                 self.stats.prompt_tokens += seq.num_prompt_tokens
                 self._streams[seq.seq_id] = stream
             else:
                 stream = item[1]
-                if stream.seq is not None:
+                if stream.seq is not None:   # None: refused at admission, nothing runs
                     self.engine.abort(stream.seq)   # finishes the samples still running
                     # Nobody reads this stream any more, and its event loop may be closed already
                     # (publishing to it would then raise in this thread and stop the engine).
@@ -184,4 +204,8 @@ class AsyncLLM:
                 self.stats.requests_finished += 1
                 del self._streams[seq_id]
         for loop, batch in batches.items():
-            loop.call_soon_threadsafe(_deliver, batch)
+            if not _call_soon(loop, _deliver, batch):   # nobody reads these streams any more
+                for stream, _ in batch:
+                    if stream.seq.seq_id in self._streams:
+                        self.engine.abort(stream.seq)
+                        del self._streams[stream.seq.seq_id]
