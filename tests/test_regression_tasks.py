@@ -3,6 +3,7 @@ regression harness. No engine and no model: a small BPE tokenizer stands in for 
 
 import json
 import os
+import re
 import sys
 
 import pytest
@@ -193,3 +194,14 @@ def test_dataset_spec_errors_name_the_problem(tmp_path):
     formatter = PromptFormatter(build_tokenizer(256), True)
     with pytest.raises(ValueError, match="context"):
         dataset_samples("d", str(tmp_path / "d.jsonl"), "f1", formatter, 256, 5)
+
+
+@pytest.mark.parametrize("line, says", [('{"context": "a", "answers": ["b"]', "not a JSON line"),
+                                        ('["a", "b"]', "is a JSON object, got list"),
+                                        ('{"context": 3, "answers": ["b"]}', "needs a string 'context'")])
+def test_a_bad_longbench_line_is_named_by_file_and_line(tmp_path, line, says):
+    from sparsevllm.regression.datasets import load_jsonl
+    path = tmp_path / "qa.jsonl"
+    path.write_text('{"context": "x", "answers": "y"}\n\n' + line + "\n")
+    with pytest.raises(ValueError, match=f"qa.jsonl:3: .*{re.escape(says)}"):
+        load_jsonl(str(path), 10)

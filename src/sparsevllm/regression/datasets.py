@@ -44,7 +44,12 @@ def load_jsonl(path: str, limit: int) -> list[dict]:
                 break
             if not line.strip():
                 continue
-            row = json.loads(line)
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{number}: not a JSON line ({e.msg})") from None
+            if not isinstance(row, dict):
+                raise ValueError(f"{path}:{number}: a LongBench line is a JSON object, got {type(row).__name__}")
             answers = row.get("answers")
             if isinstance(answers, str):
                 answers = [answers]
