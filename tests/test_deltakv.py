@@ -622,6 +622,23 @@ def test_same_memory_decodes_more_long_requests_together_than_vanilla(tiny_model
     assert pools[1] <= pools[0] and peaks[0] == 5 and peaks[1] >= 2 * peaks[0], (peaks, pools)
 
 
+def test_a_prompt_that_fits_a_small_pool_is_served_as_vanilla_serves_it(tiny_model, tmp_path):
+    """A pool so small that its raw slots are capped at every token raw (4 pages of 16: 66 slots):
+    a 62-token prompt fits (vanilla serves it), and DeltaKV must too. Admission used to count the
+    prompt's references twice (once in its raw part, once more as references) and failed it with
+    "no longer fits the KV pool"."""
+    path = model(tiny_model)
+    comp = compressor(path, tmp_path / "c", "identity")
+    ps = prompts([62], seed=13)
+    sp = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    common = dict(device="cpu", num_kv_pages=4, max_num_seqs=2, max_model_len=512)
+    want = run(LLM(path, **common), ps, sp)
+    llm = LLM(path, vllm_sparse_method="deltakv", deltakv_compressor_path=comp, deltakv_decode_keep=512, **common,
+              **SMALL)
+    assert llm.engine.cache_manager.num_pages == 4
+    assert want and run(llm, ps, sp) == want
+
+
 def test_memory_accounting_shows_freed_raw_slots(tiny_model, tmp_path):
     path = model(tiny_model)
     comp = compressor(path, tmp_path / "c", "random", latent=4)

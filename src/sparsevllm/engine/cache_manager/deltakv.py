@@ -461,8 +461,10 @@ class DeltaKVCacheManager(CacheManager):
         knobs = self.method_config
         stride = knobs.stride
         pending = sum(max(0, r.prompt_end - r.upto) // stride for r in self.requests.values())
-        raw = min(len(seq) + 1, knobs.deltakv_sink + knobs.tail_bound + self.config.chunk_prefill_size)
-        need = raw + len(seq) // stride
+        # The cap is every token raw: a short prompt's references are among its raw tokens, so they
+        # must not be counted again (that failed prompts that fit a small pool).
+        need = min(len(seq) + 1, knobs.deltakv_sink + knobs.tail_bound + self.config.chunk_prefill_size
+                   + len(seq) // stride)
         return (bool(self.free_rows) and self.raw_slots.num_free - pending >= need
                 and self.pages_for(len(seq) + 1) <= self.allocator.num_free)
 
