@@ -116,6 +116,17 @@ def test_trainer_loss_falls_and_resumes(tiny_model, tmp_path, capsys):
     assert json.loads((out / "history.json").read_text()) == history
 
 
+@pytest.mark.parametrize("full", ["1,2", "0,1,2", "a"])
+def test_trainer_refuses_full_layers_the_engine_cannot_load(tiny_model, tmp_path, full):
+    """Without layer 0, with no sparse layer left or not integers: a usage error before the model
+    loads (it used to train a compressor that `deltakv` then refuses, or crash with a traceback)."""
+    from sparsevllm.tools import train_deltakv
+    path = tiny_model("llama", num_hidden_layers=3)
+    with pytest.raises(SystemExit) as e:
+        train_deltakv.main(["--model", path, "--out", str(tmp_path / "c"), "--full_layers", full, "--device", "cpu"])
+    assert e.value.code == 2 and not (tmp_path / "c").exists()
+
+
 def test_trainer_compresses_k_after_the_k_norm_as_the_engine_sees_it(tiny_model):
     """Qwen3 (q/k norm): with an identity-like compressor the attached model equals the original,
     and the x it compresses holds K after the k-norm."""

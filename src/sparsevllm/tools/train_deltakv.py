@@ -205,7 +205,16 @@ def main(argv=None) -> int:
     from sparsevllm.models.config import ModelConfig, read_config_json
     path = resolve_model(args.model)
     model_config = ModelConfig.from_dict(read_config_json(path))
-    full = None if args.full_layers is None else [int(x) for x in args.full_layers.split(",") if x.strip()]
+    try:
+        full = None if args.full_layers is None else [int(x) for x in args.full_layers.split(",") if x.strip()]
+    except ValueError:
+        ap.error(f"--full_layers {args.full_layers!r} must be a comma list of layer ids")
+    n = model_config.num_hidden_layers
+    # The engine needs layer 0 full (it scores tokens for the first sparse layer) and a sparse layer
+    # to compress: refuse here, not after training a compressor `deltakv` cannot load.
+    if full is not None and (0 not in full or not set(range(n)) - set(full)):
+        ap.error(f"--full_layers {args.full_layers!r} must include layer 0 and leave at least one of the model's "
+                 f"{n} layers sparse")
     cfg = make_config(model_config, args.latent_dim, args.type, args.cluster_ratio, args.neighbors, args.sink, full)
     try:
         validate_config(cfg)
