@@ -116,6 +116,31 @@ def test_trainer_loss_falls_and_resumes(tiny_model, tmp_path, capsys):
     assert json.loads((out / "history.json").read_text()) == history
 
 
+def test_trainer_resume_with_other_settings_names_them(tiny_model, tmp_path, capsys):
+    """--resume with a checkpoint trained under another compressor shape or data draw: a usage error
+    naming the flags (it crashed in load_state_dict, or silently trained on other windows)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from sparsevllm.tools import train_deltakv
+    path = tiny_model("llama", num_hidden_layers=3)
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(256)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok).save_pretrained(path)
+    data = tmp_path / "data.txt"
+    data.write_text(" ".join(f"w{i % 37 + 3}" for i in range(400)))
+    out = tmp_path / "comp"
+    args = ["--model", path, "--out", str(out), "--data", str(data), "--steps", "2", "--batch_size", "1",
+            "--seq_len", "16", "--latent_dim", "8", "--full_layers", "0", "--recent", "4", "--device", "cpu"]
+    assert train_deltakv.main(args) == 0
+    capsys.readouterr()
+    for flag, value in (("--latent_dim", "4"), ("--seed", "3")):
+        with pytest.raises(SystemExit) as e:
+            train_deltakv.main(args + [flag, value, "--steps", "3", "--resume"])
+        assert e.value.code == 2 and flag in capsys.readouterr().err
+    assert train_deltakv.main(args + ["--steps", "3", "--resume"]) == 0   # the same settings resume
+
+
 @pytest.mark.parametrize("full", ["1,2", "0,1,2", "a"])
 def test_trainer_refuses_full_layers_the_engine_cannot_load(tiny_model, tmp_path, full):
     """Without layer 0, with no sparse layer left or not integers: a usage error before the model

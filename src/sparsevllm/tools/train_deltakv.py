@@ -236,8 +236,18 @@ def main(argv=None) -> int:
     opt = torch.optim.AdamW(compressor.parameters(), lr=args.lr)
     ckpt = os.path.join(args.out, "checkpoint")
     start, history = 0, []
+    # What a checkpoint's compressor shape and data draw depend on: resuming under other values would
+    # crash loading its weights or silently continue on other windows.
+    settings = {"latent_dim": args.latent_dim, "type": args.type, "cluster_ratio": args.cluster_ratio,
+                "neighbors": args.neighbors, "sink": args.sink, "full_layers": cfg["full_layers"], "seed": args.seed,
+                "batch_size": args.batch_size, "seq_len": args.seq_len, "data": source}
     if args.resume and os.path.isfile(os.path.join(ckpt, "state.pt")):
         saved = torch.load(os.path.join(ckpt, "state.pt"), map_location=device)
+        differ = [f"--{k} {saved['settings'][k]!r} (now {v!r})" for k, v in settings.items()
+                  if "settings" in saved and saved["settings"].get(k) != v]
+        if differ:
+            ap.error(f"--resume: {ckpt} was trained with " + ", ".join(differ) + "; pass the same values or "
+                     "another --out")
         compressor.load_state_dict(saved["compressor"])
         opt.load_state_dict(saved["optimizer"])
         start, history = saved["step"], saved["history"]
@@ -267,7 +277,7 @@ def main(argv=None) -> int:
         if (step + 1) % args.save_every == 0 or step + 1 == args.steps:
             os.makedirs(ckpt, exist_ok=True)
             torch.save({"compressor": compressor.state_dict(), "optimizer": opt.state_dict(), "step": step + 1,
-                        "history": history}, os.path.join(ckpt, "state.pt"))
+                        "history": history, "settings": settings}, os.path.join(ckpt, "state.pt"))
     bar.close()
     elapsed = time.perf_counter() - t0
     last = history[-min(10, len(history)):] if history else []
