@@ -310,6 +310,16 @@ def test_calibration_picks_filter_layers_deterministically(tiny_model, tmp_path,
     assert cal.main(args) == 0 and json.loads((tmp_path / "cal.json").read_text())["coverage"] == cov   # deterministic
 
 
+@pytest.mark.parametrize("hyper_params", ['{"vllm_sparse_method": "quest"}', '[1]'])
+def test_calibration_refuses_a_sparse_method_in_hyper_params(hyper_params, capsys):
+    """It measures dense attention from the vanilla pool's keys: another method (which used to give
+    made-up coverages, or an IndexError for deltakv's pool) is a usage error before a model loads."""
+    from sparsevllm.tools import omnikv_calibrate as cal
+    with pytest.raises(SystemExit) as e:
+        cal.main(["--model", "/no/such/model", "--hyper_params", hyper_params])
+    assert e.value.code == 2 and "--hyper_params" in capsys.readouterr().err
+
+
 def prompts_of(n):
     return prompts([120 + 17 * i for i in range(n)], seed=11)
 

@@ -178,6 +178,13 @@ def main(argv=None) -> int:
         knobs = json.loads(args.hyper_params)
     except json.JSONDecodeError as e:
         ap.error(f"--hyper_params is not valid JSON: {e}")
+    if not isinstance(knobs, dict):
+        ap.error("--hyper_params must be a JSON object of engine knobs")
+    # The measurement is of dense attention and reads the vanilla pool's keys: another method's decode
+    # changes the generated tokens, and its pool layout makes the keys wrong or out of range.
+    if knobs.get("vllm_sparse_method", "vanilla") != "vanilla":
+        ap.error(f"--hyper_params: vllm_sparse_method={knobs['vllm_sparse_method']!r}; the calibration runs "
+                 "vanilla (dense) attention, leave it out")
     for name in ("num_prompts", "length", "decode_steps", "num_filter_layers"):
         if getattr(args, name) < 1:
             ap.error(f"--{name} must be >= 1")
