@@ -639,6 +639,22 @@ def test_a_prompt_that_fits_a_small_pool_is_served_as_vanilla_serves_it(tiny_mod
     assert want and run(llm, ps, sp) == want
 
 
+def test_a_prompt_chunked_by_the_step_budget_is_admitted_for_its_real_chunks(tiny_model, tmp_path):
+    """max_num_batched_tokens=64 under the default chunk_prefill_size (4096): a 700-token prompt is
+    prefilled 64 tokens a step and its raw peak (~290 slots) fits the pool's 352. Admission used to
+    count a 4096-token chunk and failed it with "no longer fits the KV pool"."""
+    path = model(tiny_model)
+    comp = compressor(path, tmp_path / "c", "random", latent=4)
+    llm = LLM(path, vllm_sparse_method="deltakv", device="cpu", deltakv_compressor_path=comp, num_kv_pages=64,
+              max_num_seqs=2, max_model_len=1024, max_num_batched_tokens=64, deltakv_decode_keep=8, **SMALL)
+    cm = llm.engine.cache_manager
+    assert cm.raw_slots.num_slots < 700
+    out = llm.generate(prompts([700], seed=1), SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 3
+    assert cm.allocator.is_idle() and cm.raw_slots.num_free == cm.raw_slots.num_slots
+
+
 def test_memory_accounting_shows_freed_raw_slots(tiny_model, tmp_path):
     path = model(tiny_model)
     comp = compressor(path, tmp_path / "c", "random", latent=4)

@@ -463,8 +463,9 @@ class DeltaKVCacheManager(CacheManager):
         pending = sum(max(0, r.prompt_end - r.upto) // stride for r in self.requests.values())
         # The cap is every token raw: a short prompt's references are among its raw tokens, so they
         # must not be counted again (that failed prompts that fit a small pool).
-        need = min(len(seq) + 1, knobs.deltakv_sink + knobs.tail_bound + self.config.chunk_prefill_size
-                   + len(seq) // stride)
+        # A chunk is at most one step's token budget too (what split_budget reserves).
+        chunk = min(self.config.chunk_prefill_size, self.config.max_num_batched_tokens)
+        need = min(len(seq) + 1, knobs.deltakv_sink + knobs.tail_bound + chunk + len(seq) // stride)
         return (bool(self.free_rows) and self.raw_slots.num_free - pending >= need
                 and self.pages_for(len(seq) + 1) <= self.allocator.num_free)
 
