@@ -153,6 +153,30 @@ def test_mismatched_compressor_fails_before_weights_load(tiny_model, tmp_path, n
             device="cpu")
 
 
+
+def test_reference_knobs_left_unset_follow_the_compressor(tiny_model, tmp_path, caplog):
+    """cluster_ratio / neighbors / sink define the references the compressor was trained against:
+    unset, they are the compressor's (this one: 0.25 / 2 / 4), not the paper's defaults 0.1 / 4 / 8;
+    a different value given on purpose is kept, with a warning."""
+    from sparsevllm.method_registry import make_config
+    path = model(tiny_model)
+    comp = compressor(path, tmp_path / "c")
+    mc = ModelConfig.from_dict(read_config_json(path))
+
+    def knobs(**kw):
+        config = make_config(path, "deltakv", deltakv_compressor_path=comp, **kw)
+        DeltaKVCacheManager.validate_model(config, mc)
+        k = config.method_config
+        return k.deltakv_cluster_ratio, k.deltakv_neighbors, k.deltakv_sink
+
+    assert knobs() == (0.25, 2, 4)
+    with caplog.at_level("WARNING"):
+        assert knobs(deltakv_neighbors=3) == (0.25, 3, 4)
+    assert "deltakv_neighbors=3 differs from the 2 the compressor was trained with" in caplog.text
+    dummy = make_config(path, "deltakv", load_format="dummy").method_config
+    assert (dummy.deltakv_cluster_ratio, dummy.deltakv_neighbors, dummy.deltakv_sink) == (0.1, 4, 8)
+
+
 # ---------------------------------------------------------------- kernels: round trip, causality
 
 def pool_case(n, H=2, D=8, seed=0, dtype=torch.float32):

@@ -105,14 +105,21 @@ def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
+# Knobs that define the reference structure a compressor was trained on: None takes the compressor's
+# value (its compressor.json records it), else the paper's default; a value that differs is kept, with
+# a warning (the latents were trained against other references).
+FROM_COMPRESSOR = {"deltakv_cluster_ratio": ("cluster_ratio", 0.1), "deltakv_neighbors": ("neighbors", 4),
+                   "deltakv_sink": ("sink", 8)}
+
+
 @dataclass
 class DeltaKVConfig(MethodConfig):
     deltakv_compressor_path: str | None = None     # a folder from `python -m sparsevllm.tools.train_deltakv`
     deltakv_full_layers: list[int] | None = None   # None: the compressor's, else 0,1,2,8,18 of 32 scaled
     deltakv_latent_dim: int | None = None          # None: the compressor's (128 for a dummy one)
-    deltakv_cluster_ratio: float = 0.1             # references: every round(1 / ratio)-th token
-    deltakv_neighbors: int = 4                     # references averaged into r_t
-    deltakv_sink: int = 8                          # first tokens, raw and references
+    deltakv_cluster_ratio: float | None = None     # references: every round(1 / ratio)-th token (None: below)
+    deltakv_neighbors: int | None = None           # references averaged into r_t (None: below)
+    deltakv_sink: int | None = None                # first tokens, raw and references (None: below)
     deltakv_recent: int = 128                      # raw window; compression moves in blocks of it
     deltakv_decode_keep: int = 2048                # compressed tokens reconstructed per decode step
     deltakv_compress_windows: int = 1              # windows a decode-time compression takes at once
@@ -131,6 +138,11 @@ class DeltaKVConfig(MethodConfig):
             self.deltakv_full_layers = list(f)
         ld = self.deltakv_latent_dim
         need(ld is None or (_is_int(ld) and ld > 0), "deltakv_latent_dim", "None (the compressor's) or an integer > 0")
+        if not hasattr(self, "unset"):   # the knobs left None, once (validate may run again on this object)
+            self.unset = [k for k in FROM_COMPRESSOR if getattr(self, k) is None]
+        for knob in self.unset:
+            if getattr(self, knob) is None:   # the default until validate_model reads the compressor
+                setattr(self, knob, FROM_COMPRESSOR[knob][1])
         cr = self.deltakv_cluster_ratio
         need(isinstance(cr, (int, float)) and not isinstance(cr, bool) and 0 < cr < 1, "deltakv_cluster_ratio",
              "a number in (0, 1)")
@@ -409,6 +421,13 @@ class DeltaKVCacheManager(CacheManager):
             raise ValueError(f"deltakv_latent_dim={knobs.deltakv_latent_dim} contradicts the compressor's latent dim "
                              f"{cfg['latent_dim']}; leave it None to use the compressor's")
         knobs.deltakv_full_layers, knobs.deltakv_latent_dim = full, cfg["latent_dim"]
+        for knob, (key, _) in FROM_COMPRESSOR.items():
+            if knob in getattr(knobs, "unset", ()):
+                setattr(knobs, knob, cfg[key])
+            elif getattr(knobs, knob) != cfg[key]:
+                logger.warning("%s=%r differs from the %r the compressor was trained with (%s); the latents "
+                               "were fitted against other references", knob, getattr(knobs, knob), cfg[key],
+                               knobs.deltakv_compressor_path)
 
     @classmethod
     def bytes_per_page(cls, config: EngineConfig, num_layers, num_kv_heads, head_dim, dtype) -> int:
