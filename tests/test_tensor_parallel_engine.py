@@ -198,3 +198,18 @@ def test_shutdown_drops_graphs_before_the_teardown(tiny_model, monkeypatch):
     llm.shutdown()
     assert calls == ["graphs", ("teardown", {"abort": False})]
     assert llm.engine.shutdown in registered   # the exit hook that shutdown() replaces is the engine's
+
+
+def test_existing_process_group_is_refused_before_ranks_are_spawned(tiny_model):
+    """torch.distributed already initialised in this process: a clear error, and no follower left
+    behind waiting for a rank 0 that never comes."""
+    import multiprocessing
+    import torch.distributed as dist
+    from sparsevllm.engine.tensor_parallel import _free_port
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    try:
+        with pytest.raises(ValueError, match="without a torch.distributed group already initialised"):
+            LLM(tiny_model("llama"), tensor_parallel_size=2, num_kv_pages=16)
+        assert not [p for p in multiprocessing.active_children() if p.name.startswith("sparsevllm-tp")]
+    finally:
+        dist.destroy_process_group()

@@ -47,18 +47,33 @@ class Workers:
 
     def __init__(self, config: EngineConfig, model_path: str, device_type: str):
         world = config.tensor_parallel_size
+        # Refused before any rank is spawned: a follower started for a rank 0 that then cannot join
+        # would wait in the rendezvous for 30 minutes (on a GPU holding a CUDA context).
+        tp.check_no_process_group()
         ctx = mp.get_context("spawn")
         self.errors = ctx.Queue()
         port = _free_port()
         self.procs = [ctx.Process(target=follower_main, daemon=True, name=f"sparsevllm-tp{rank}",
                                   args=(rank, world, port, config, model_path, device_type, self.errors))
                       for rank in range(1, world)]
-        for p in self.procs:
-            p.start()
         self.closed = False
-        if device_type == "cuda":
-            torch.cuda.set_device(0)
-        tp.init_tensor_parallel(0, world, port, backend_for(device_type))
+        try:
+            for p in self.procs:
+                p.start()
+            if device_type == "cuda":
+                torch.cuda.set_device(0)
+            tp.init_tensor_parallel(0, world, port, backend_for(device_type))
+        except BaseException:
+            self._stop_procs()
+            raise
+
+    def _stop_procs(self) -> None:
+        for p in self.procs:
+            if p.pid is not None and p.is_alive():   # pid None: never started
+                p.terminate()
+        for p in self.procs:
+            if p.pid is not None:
+                p.join(timeout=5)
 
     def send(self, command: tuple) -> None:
         tp.broadcast_command(command)
@@ -93,9 +108,7 @@ class Workers:
         tp.destroy_tensor_parallel(abort=not told)
         for p in self.procs:
             p.join(timeout=30)
-            if p.is_alive():
-                p.terminate()
-                p.join(timeout=5)
+        self._stop_procs()
 
 
 def _snapshot(seq: Sequence, sent: dict[int, int]) -> tuple:
