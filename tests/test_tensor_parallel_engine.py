@@ -200,6 +200,24 @@ def test_shutdown_drops_graphs_before_the_teardown(tiny_model, monkeypatch):
     assert llm.engine.shutdown in registered   # the exit hook that shutdown() replaces is the engine's
 
 
+def test_rank_dead_before_joining_is_a_clear_error_not_a_hang(tiny_model, tmp_path):
+    """A script without the `if __name__ == "__main__":` guard: the spawned rank re-runs it, fails
+    while bootstrapping and never joins the group. Rank 0 must say so, not wait in the group's
+    rendezvous (30 minutes)."""
+    import os
+    import subprocess
+    import sys
+    script = tmp_path / "unguarded.py"
+    script.write_text(f"from sparsevllm import LLM\nLLM({tiny_model('llama')!r}, tensor_parallel_size=2, num_kv_pages=16)\n")
+    try:
+        run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=90,
+                             env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    except subprocess.TimeoutExpired:
+        pytest.fail("rank 0 waited for a rank that had died before joining")
+    assert run.returncode != 0
+    assert "exited before joining" in run.stderr and "__main__" in run.stderr
+
+
 def test_existing_process_group_is_refused_before_ranks_are_spawned(tiny_model):
     """torch.distributed already initialised in this process: a clear error, and no follower left
     behind waiting for a rank 0 that never comes."""

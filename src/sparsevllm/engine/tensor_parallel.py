@@ -52,20 +52,45 @@ class Workers:
         tp.check_no_process_group()
         ctx = mp.get_context("spawn")
         self.errors = ctx.Queue()
+        ready = ctx.Queue()
         port = _free_port()
         self.procs = [ctx.Process(target=follower_main, daemon=True, name=f"sparsevllm-tp{rank}",
-                                  args=(rank, world, port, config, model_path, device_type, self.errors))
+                                  args=(rank, world, port, config, model_path, device_type, self.errors, ready))
                       for rank in range(1, world)]
         self.closed = False
         try:
             for p in self.procs:
                 p.start()
+            self._await_followers(ready, world)
             if device_type == "cuda":
                 torch.cuda.set_device(0)
             tp.init_tensor_parallel(0, world, port, backend_for(device_type))
         except BaseException:
             self._stop_procs()
             raise
+
+    def _await_followers(self, ready, world: int) -> None:
+        """Wait until every follower is about to join the group. The rendezvous itself waits for
+        every rank (30 minutes) and cannot be interrupted: a follower that dies before it (a script
+        without the `__main__` guard fails while its spawned copy bootstraps) would hang rank 0."""
+        waiting = set(range(1, world))
+        while waiting:
+            try:
+                waiting.discard(ready.get(timeout=0.1))
+            except queue.Empty:
+                pass
+            dead = [p for p in self.procs if p.exitcode is not None]
+            if dead and waiting:
+                try:   # a traceback the follower reported itself (one dead while bootstrapping reports none)
+                    rank, tb = self.errors.get(timeout=1.0)
+                    reason = f"tensor-parallel rank {rank} failed:\n{tb}"
+                except queue.Empty:
+                    reason = ""
+                raise RuntimeError(
+                    f"tensor-parallel rank process {dead[0].name} exited before joining (exit code "
+                    f"{dead[0].exitcode}; its traceback is on stderr). The ranks are spawned processes that import "
+                    f"the main script again: a script must guard its entry point with `if __name__ == \"__main__\":`."
+                    + (f"\n{reason}" if reason else ""))
 
     def _stop_procs(self) -> None:
         for p in self.procs:
@@ -239,7 +264,7 @@ def _die_with_parent() -> None:
 
 
 def follower_main(rank: int, world: int, port: int, config: EngineConfig, model_path: str, device_type: str,
-                  errors) -> None:
+                  errors, ready) -> None:
     try:
         _die_with_parent()
         from sparsevllm.engine.model_runner import ModelRunner
@@ -247,6 +272,7 @@ def follower_main(rank: int, world: int, port: int, config: EngineConfig, model_
         from sparsevllm.models.config import ModelConfig, read_config_json
         if device_type == "cuda":
             torch.cuda.set_device(rank)
+        ready.put(rank)   # rank 0 enters the rendezvous only once every follower got this far
         tp.init_tensor_parallel(rank, world, port, backend_for(device_type))
         model_cfg = ModelConfig.from_dict(read_config_json(model_path))
         runner = ModelRunner(config, model_path, model_cfg, get_method(config.vllm_sparse_method))
