@@ -231,3 +231,68 @@ def test_existing_process_group_is_refused_before_ranks_are_spawned(tiny_model):
         assert not [p for p in multiprocessing.active_children() if p.name.startswith("sparsevllm-tp")]
     finally:
         dist.destroy_process_group()
+
+
+def _within(seconds, fn):
+    """fn's exception (None if it returned), failing the test if fn is still blocked after seconds."""
+    import threading
+    box = []
+
+    def target():
+        try:
+            fn()
+            box.append(None)
+        except BaseException as e:   # noqa: B036 - KeyboardInterrupt is what some cases raise
+            box.append(e)
+    t = threading.Thread(target=target, daemon=True)
+    t.start()
+    t.join(seconds)
+    if t.is_alive():
+        pytest.fail(f"blocked for more than {seconds} s")
+    return box[0]
+
+
+def _fail_rank_0_mid_forward(llm, monkeypatch, error):
+    """Rank 0 (this process) raises inside its forward, after the followers were sent the step: they
+    wait in the step's next all-reduce (rank 0 only: the followers are other processes)."""
+    layer = llm.engine.model_runner.model.layers[1]
+    forward = type(layer).forward
+
+    def failing(self, *args, **kwargs):
+        if self is layer:
+            monkeypatch.setattr(type(layer), "forward", forward)
+            raise error
+        return forward(self, *args, **kwargs)
+    monkeypatch.setattr(type(layer), "forward", failing)
+
+
+def test_rank_0_failing_mid_forward_raises_instead_of_hanging(tiny_model, monkeypatch):
+    """A rank-0-only error inside the forward (a GPU out of memory on rank 0's card): the error is raised,
+    not lost in a shutdown whose exit command the followers, inside the step's all-reduce, never read."""
+    path = tiny_model("llama")
+    llm = LLM(path, tensor_parallel_size=2, num_kv_pages=32)
+    _fail_rank_0_mid_forward(llm, monkeypatch, RuntimeError("rank 0 out of memory"))
+    error = _within(60, lambda: llm.generate([PROMPTS[3]], GREEDY, use_tqdm=False))
+    assert isinstance(error, RuntimeError) and "rank 0 out of memory" in str(error)
+    llm.shutdown()
+    with LLM(path, tensor_parallel_size=2, num_kv_pages=32) as again:   # the ranks' resources were released
+        assert len(again.generate([PROMPTS[3]], GREEDY, use_tqdm=False)[0].outputs[0].token_ids) == 10
+
+
+def test_rank_0_failing_while_building_raises_instead_of_hanging(tiny_model, monkeypatch):
+    """Rank 0 fails building its runner while the followers wait in the KV-page agreement."""
+    from sparsevllm.engine.model_runner import ModelRunner
+    monkeypatch.setattr(ModelRunner, "_num_kv_pages", lambda self, cls: (_ for _ in ()).throw(MemoryError("rank 0")))
+    error = _within(60, lambda: LLM(tiny_model("llama"), tensor_parallel_size=2, num_kv_pages=32))
+    assert isinstance(error, MemoryError)
+
+
+def test_interrupt_mid_forward_leaves_a_clear_error_not_a_hang(tiny_model, monkeypatch):
+    """Ctrl-C inside a step's forward leaves the followers inside that step's collectives: the ranks
+    are stopped, and the LLM says so on its next call instead of waiting for them forever."""
+    llm = LLM(tiny_model("llama"), tensor_parallel_size=2, num_kv_pages=32)
+    _fail_rank_0_mid_forward(llm, monkeypatch, KeyboardInterrupt())
+    assert isinstance(_within(60, lambda: llm.generate([PROMPTS[3]], GREEDY, use_tqdm=False)), KeyboardInterrupt)
+    error = _within(60, lambda: llm.generate([PROMPTS[3]], GREEDY, use_tqdm=False))
+    assert isinstance(error, RuntimeError)
+    llm.shutdown()

@@ -58,6 +58,12 @@ class Workers:
                                   args=(rank, world, port, config, model_path, device_type, self.errors, ready))
                       for rank in range(1, world)]
         self.closed = False
+        # True while the followers may be inside collectives that rank 0 has not finished: building
+        # their runners (weights, the KV-page agreement, graph capture), then from a step's command
+        # until rank 0's on_step_end. A rank 0 that fails there leaves them waiting in a collective,
+        # where they never read an "exit" command (broadcasting it blocks rank 0 for good): they are
+        # stopped instead. The engine clears it once its own runner is built.
+        self.mid_collectives = True
         try:
             for p in self.procs:
                 p.start()
@@ -122,7 +128,7 @@ class Workers:
             return
         self.closed = True
         told = False
-        if all(p.is_alive() for p in self.procs):
+        if not self.mid_collectives and all(p.is_alive() for p in self.procs):
             try:
                 self.send(("exit",))
                 told = True
@@ -131,9 +137,10 @@ class Workers:
         # Tear the groups down together with the followers, before waiting for them to exit: they are
         # inside the same teardown, which under NCCL waits for every rank (waiting first hung on the H200s).
         tp.destroy_tensor_parallel(abort=not told)
-        for p in self.procs:
-            p.join(timeout=30)
-        self._stop_procs()
+        if told:
+            for p in self.procs:
+                p.join(timeout=30)
+        self._stop_procs()   # not told (out of step, or the group broke): nothing to wait for
 
 
 def _snapshot(seq: Sequence, sent: dict[int, int]) -> tuple:
@@ -184,8 +191,14 @@ class CommandedCacheManager:
 
     def prepare_step(self, seqs, num_tokens, is_prefill, feed_rows=None):
         snaps = [_snapshot(s, self._sent) for s in seqs]
+        self._workers.mid_collectives = True   # the followers run this step's collectives until on_step_end
         self._workers.send(("step", self._flush(), snaps, list(num_tokens), is_prefill, feed_rows is not None))
         return self._cm.prepare_step(seqs, num_tokens, is_prefill, feed_rows)
+
+    def on_step_end(self, step):
+        out = self._cm.on_step_end(step)
+        self._workers.mid_collectives = False   # rank 0 went through the whole step: the ranks are in step
+        return out
 
     def sync(self) -> None:
         """Send the page decisions not yet sent (requests freed after the last step)."""
