@@ -294,5 +294,12 @@ def test_interrupt_mid_forward_leaves_a_clear_error_not_a_hang(tiny_model, monke
     _fail_rank_0_mid_forward(llm, monkeypatch, KeyboardInterrupt())
     assert isinstance(_within(60, lambda: llm.generate([PROMPTS[3]], GREEDY, use_tqdm=False)), KeyboardInterrupt)
     error = _within(60, lambda: llm.generate([PROMPTS[3]], GREEDY, use_tqdm=False))
-    assert isinstance(error, RuntimeError)
+    assert isinstance(error, RuntimeError) and "were stopped" in str(error) and "new LLM" in str(error)
     llm.shutdown()
+
+
+def test_generate_after_shutdown_is_a_clear_error(tiny_model):
+    llm = LLM(tiny_model("llama"), tensor_parallel_size=2, num_kv_pages=32)
+    llm.shutdown()
+    with pytest.raises(RuntimeError, match="tensor-parallel ranks were stopped.*create a new LLM"):
+        llm.generate([PROMPTS[3]], GREEDY, use_tqdm=False)

@@ -230,7 +230,7 @@ class LLMEngine:
         try:
             launched = self._launch()
         except BaseException as e:
-            if self.workers is None:
+            if self.workers is None or self.workers.closed:   # closed: the ranks were stopped before this step
                 raise
             if isinstance(e, KeyboardInterrupt):
                 if self.workers.mid_collectives:   # the followers wait inside this step: it cannot resume

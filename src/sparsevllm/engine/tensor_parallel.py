@@ -107,6 +107,9 @@ class Workers:
                 p.join(timeout=5)
 
     def send(self, command: tuple) -> None:
+        if self.closed:   # else a collective on a destroyed group, reported as a follower's stale error
+            raise RuntimeError("this LLM's tensor-parallel ranks were stopped (by LLM.shutdown(), or after a failed "
+                               "or interrupted step, which leaves them out of step); create a new LLM")
         tp.broadcast_command(command)
 
     def query(self, name: str) -> list:
@@ -130,7 +133,7 @@ class Workers:
         told = False
         if not self.mid_collectives and all(p.is_alive() for p in self.procs):
             try:
-                self.send(("exit",))
+                tp.broadcast_command(("exit",))   # not send(): it refuses once closed
                 told = True
             except Exception:   # the group is broken (a rank failed): the processes are stopped below
                 pass
