@@ -198,3 +198,108 @@ def test_shutdown_drops_graphs_before_the_teardown(tiny_model, monkeypatch):
     llm.shutdown()
     assert calls == ["graphs", ("teardown", {"abort": False})]
     assert llm.engine.shutdown in registered   # the exit hook that shutdown() replaces is the engine's
+
+
+def test_rank_dead_before_joining_is_a_clear_error_not_a_hang(tiny_model, tmp_path):
+    """A script without the `if __name__ == "__main__":` guard: the spawned rank re-runs it, fails
+    while bootstrapping and never joins the group. Rank 0 must say so, not wait in the group's
+    rendezvous (30 minutes)."""
+    import os
+    import subprocess
+    import sys
+    script = tmp_path / "unguarded.py"
+    script.write_text(f"from sparsevllm import LLM\nLLM({tiny_model('llama')!r}, tensor_parallel_size=2, num_kv_pages=16)\n")
+    try:
+        run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=90,
+                             env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    except subprocess.TimeoutExpired:
+        pytest.fail("rank 0 waited for a rank that had died before joining")
+    assert run.returncode != 0
+    assert "exited before joining" in run.stderr and "__main__" in run.stderr
+
+
+def test_existing_process_group_is_refused_before_ranks_are_spawned(tiny_model):
+    """torch.distributed already initialised in this process: a clear error, and no follower left
+    behind waiting for a rank 0 that never comes."""
+    import multiprocessing
+    import torch.distributed as dist
+    from sparsevllm.engine.tensor_parallel import _free_port
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    try:
+        with pytest.raises(ValueError, match="without a torch.distributed group already initialised"):
+            LLM(tiny_model("llama"), tensor_parallel_size=2, num_kv_pages=16)
+        assert not [p for p in multiprocessing.active_children() if p.name.startswith("sparsevllm-tp")]
+    finally:
+        dist.destroy_process_group()
+
+
+def _within(seconds, fn):
+    """fn's exception (None if it returned), failing the test if fn is still blocked after seconds."""
+    import threading
+    box = []
+
+    def target():
+        try:
+            fn()
+            box.append(None)
+        except BaseException as e:   # noqa: B036 - KeyboardInterrupt is what some cases raise
+            box.append(e)
+    t = threading.Thread(target=target, daemon=True)
+    t.start()
+    t.join(seconds)
+    if t.is_alive():
+        pytest.fail(f"blocked for more than {seconds} s")
+    return box[0]
+
+
+def _fail_rank_0_mid_forward(llm, monkeypatch, error):
+    """Rank 0 (this process) raises inside its forward, after the followers were sent the step: they
+    wait in the step's next all-reduce (rank 0 only: the followers are other processes)."""
+    layer = llm.engine.model_runner.model.layers[1]
+    forward = type(layer).forward
+
+    def failing(self, *args, **kwargs):
+        if self is layer:
+            monkeypatch.setattr(type(layer), "forward", forward)
+            raise error
+        return forward(self, *args, **kwargs)
+    monkeypatch.setattr(type(layer), "forward", failing)
+
+
+def test_rank_0_failing_mid_forward_raises_instead_of_hanging(tiny_model, monkeypatch):
+    """A rank-0-only error inside the forward (a GPU out of memory on rank 0's card): the error is raised,
+    not lost in a shutdown whose exit command the followers, inside the step's all-reduce, never read."""
+    path = tiny_model("llama")
+    llm = LLM(path, tensor_parallel_size=2, num_kv_pages=32)
+    _fail_rank_0_mid_forward(llm, monkeypatch, RuntimeError("rank 0 out of memory"))
+    error = _within(60, lambda: llm.generate([PROMPTS[3]], GREEDY, use_tqdm=False))
+    assert isinstance(error, RuntimeError) and "rank 0 out of memory" in str(error)
+    llm.shutdown()
+    with LLM(path, tensor_parallel_size=2, num_kv_pages=32) as again:   # the ranks' resources were released
+        assert len(again.generate([PROMPTS[3]], GREEDY, use_tqdm=False)[0].outputs[0].token_ids) == 10
+
+
+def test_rank_0_failing_while_building_raises_instead_of_hanging(tiny_model, monkeypatch):
+    """Rank 0 fails building its runner while the followers wait in the KV-page agreement."""
+    from sparsevllm.engine.model_runner import ModelRunner
+    monkeypatch.setattr(ModelRunner, "_num_kv_pages", lambda self, cls: (_ for _ in ()).throw(MemoryError("rank 0")))
+    error = _within(60, lambda: LLM(tiny_model("llama"), tensor_parallel_size=2, num_kv_pages=32))
+    assert isinstance(error, MemoryError)
+
+
+def test_interrupt_mid_forward_leaves_a_clear_error_not_a_hang(tiny_model, monkeypatch):
+    """Ctrl-C inside a step's forward leaves the followers inside that step's collectives: the ranks
+    are stopped, and the LLM says so on its next call instead of waiting for them forever."""
+    llm = LLM(tiny_model("llama"), tensor_parallel_size=2, num_kv_pages=32)
+    _fail_rank_0_mid_forward(llm, monkeypatch, KeyboardInterrupt())
+    assert isinstance(_within(60, lambda: llm.generate([PROMPTS[3]], GREEDY, use_tqdm=False)), KeyboardInterrupt)
+    error = _within(60, lambda: llm.generate([PROMPTS[3]], GREEDY, use_tqdm=False))
+    assert isinstance(error, RuntimeError) and "were stopped" in str(error) and "new LLM" in str(error)
+    llm.shutdown()
+
+
+def test_generate_after_shutdown_is_a_clear_error(tiny_model):
+    llm = LLM(tiny_model("llama"), tensor_parallel_size=2, num_kv_pages=32)
+    llm.shutdown()
+    with pytest.raises(RuntimeError, match="tensor-parallel ranks were stopped.*create a new LLM"):
+        llm.generate([PROMPTS[3]], GREEDY, use_tqdm=False)

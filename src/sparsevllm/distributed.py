@@ -32,12 +32,16 @@ def init_tensor_parallel(rank: int, world: int, port: int, backend: str) -> None
     """Join the ranks' groups. The command group waits for rank 0 without a deadline: a server may
     sit idle for hours between requests."""
     global _control
-    if dist.is_initialized():
-        raise ValueError("tensor_parallel_size > 1 needs a process without a torch.distributed group already "
-                         "initialised (one tensor-parallel LLM per process at a time; call LLM.shutdown() first)")
+    check_no_process_group()
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=timedelta(minutes=30))
     _control = dist.new_group(backend="gloo", timeout=timedelta(days=365))
+
+
+def check_no_process_group() -> None:
+    if dist.is_initialized():
+        raise ValueError("tensor_parallel_size > 1 needs a process without a torch.distributed group already "
+                         "initialised (one tensor-parallel LLM per process at a time; call LLM.shutdown() first)")
 
 
 TEARDOWN_TIMEOUT_S = 60.0

@@ -68,6 +68,7 @@ class LLMEngine:
             self._raise_worker_failure(e)
         self.cache_manager = self.model_runner.cache_manager
         if self.workers is not None:
+            self.workers.mid_collectives = False   # every rank's construction collectives paired with rank 0's
             from sparsevllm.engine.tensor_parallel import CommandedCacheManager
             self.cache_manager = CommandedCacheManager(self.cache_manager, self.workers)
         self.scheduler = Scheduler(config, self.cache_manager)
@@ -229,7 +230,11 @@ class LLMEngine:
         try:
             launched = self._launch()
         except BaseException as e:
-            if self.workers is None or isinstance(e, KeyboardInterrupt):
+            if self.workers is None or self.workers.closed:   # closed: the ranks were stopped before this step
+                raise
+            if isinstance(e, KeyboardInterrupt):
+                if self.workers.mid_collectives:   # the followers wait inside this step: it cannot resume
+                    self.shutdown()
                 raise
             self._raise_worker_failure(e)
         if launched is None and self._in_flight is None:

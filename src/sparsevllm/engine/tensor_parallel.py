@@ -47,20 +47,69 @@ class Workers:
 
     def __init__(self, config: EngineConfig, model_path: str, device_type: str):
         world = config.tensor_parallel_size
+        # Refused before any rank is spawned: a follower started for a rank 0 that then cannot join
+        # would wait in the rendezvous for 30 minutes (on a GPU holding a CUDA context).
+        tp.check_no_process_group()
         ctx = mp.get_context("spawn")
         self.errors = ctx.Queue()
+        ready = ctx.Queue()
         port = _free_port()
         self.procs = [ctx.Process(target=follower_main, daemon=True, name=f"sparsevllm-tp{rank}",
-                                  args=(rank, world, port, config, model_path, device_type, self.errors))
+                                  args=(rank, world, port, config, model_path, device_type, self.errors, ready))
                       for rank in range(1, world)]
-        for p in self.procs:
-            p.start()
         self.closed = False
-        if device_type == "cuda":
-            torch.cuda.set_device(0)
-        tp.init_tensor_parallel(0, world, port, backend_for(device_type))
+        # True while the followers may be inside collectives that rank 0 has not finished: building
+        # their runners (weights, the KV-page agreement, graph capture), then from a step's command
+        # until rank 0's on_step_end. A rank 0 that fails there leaves them waiting in a collective,
+        # where they never read an "exit" command (broadcasting it blocks rank 0 for good): they are
+        # stopped instead. The engine clears it once its own runner is built.
+        self.mid_collectives = True
+        try:
+            for p in self.procs:
+                p.start()
+            self._await_followers(ready, world)
+            if device_type == "cuda":
+                torch.cuda.set_device(0)
+            tp.init_tensor_parallel(0, world, port, backend_for(device_type))
+        except BaseException:
+            self._stop_procs()
+            raise
+
+    def _await_followers(self, ready, world: int) -> None:
+        """Wait until every follower is about to join the group. The rendezvous itself waits for
+        every rank (30 minutes) and cannot be interrupted: a follower that dies before it (a script
+        without the `__main__` guard fails while its spawned copy bootstraps) would hang rank 0."""
+        waiting = set(range(1, world))
+        while waiting:
+            try:
+                waiting.discard(ready.get(timeout=0.1))
+            except queue.Empty:
+                pass
+            dead = [p for p in self.procs if p.exitcode is not None]
+            if dead and waiting:
+                try:   # a traceback the follower reported itself (one dead while bootstrapping reports none)
+                    rank, tb = self.errors.get(timeout=1.0)
+                    reason = f"tensor-parallel rank {rank} failed:\n{tb}"
+                except queue.Empty:
+                    reason = ""
+                raise RuntimeError(
+                    f"tensor-parallel rank process {dead[0].name} exited before joining (exit code "
+                    f"{dead[0].exitcode}; its traceback is on stderr). The ranks are spawned processes that import "
+                    f"the main script again: a script must guard its entry point with `if __name__ == \"__main__\":`."
+                    + (f"\n{reason}" if reason else ""))
+
+    def _stop_procs(self) -> None:
+        for p in self.procs:
+            if p.pid is not None and p.is_alive():   # pid None: never started
+                p.terminate()
+        for p in self.procs:
+            if p.pid is not None:
+                p.join(timeout=5)
 
     def send(self, command: tuple) -> None:
+        if self.closed:   # else a collective on a destroyed group, reported as a follower's stale error
+            raise RuntimeError("this LLM's tensor-parallel ranks were stopped (by LLM.shutdown(), or after a failed "
+                               "or interrupted step, which leaves them out of step); create a new LLM")
         tp.broadcast_command(command)
 
     def query(self, name: str) -> list:
@@ -82,20 +131,19 @@ class Workers:
             return
         self.closed = True
         told = False
-        if all(p.is_alive() for p in self.procs):
+        if not self.mid_collectives and all(p.is_alive() for p in self.procs):
             try:
-                self.send(("exit",))
+                tp.broadcast_command(("exit",))   # not send(): it refuses once closed
                 told = True
             except Exception:   # the group is broken (a rank failed): the processes are stopped below
                 pass
         # Tear the groups down together with the followers, before waiting for them to exit: they are
         # inside the same teardown, which under NCCL waits for every rank (waiting first hung on the H200s).
         tp.destroy_tensor_parallel(abort=not told)
-        for p in self.procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.terminate()
-                p.join(timeout=5)
+        if told:
+            for p in self.procs:
+                p.join(timeout=30)
+        self._stop_procs()   # not told (out of step, or the group broke): nothing to wait for
 
 
 def _snapshot(seq: Sequence, sent: dict[int, int]) -> tuple:
@@ -146,8 +194,14 @@ class CommandedCacheManager:
 
     def prepare_step(self, seqs, num_tokens, is_prefill, feed_rows=None):
         snaps = [_snapshot(s, self._sent) for s in seqs]
+        self._workers.mid_collectives = True   # the followers run this step's collectives until on_step_end
         self._workers.send(("step", self._flush(), snaps, list(num_tokens), is_prefill, feed_rows is not None))
         return self._cm.prepare_step(seqs, num_tokens, is_prefill, feed_rows)
+
+    def on_step_end(self, step):
+        out = self._cm.on_step_end(step)
+        self._workers.mid_collectives = False   # rank 0 went through the whole step: the ranks are in step
+        return out
 
     def sync(self) -> None:
         """Send the page decisions not yet sent (requests freed after the last step)."""
@@ -226,7 +280,7 @@ def _die_with_parent() -> None:
 
 
 def follower_main(rank: int, world: int, port: int, config: EngineConfig, model_path: str, device_type: str,
-                  errors) -> None:
+                  errors, ready) -> None:
     try:
         _die_with_parent()
         from sparsevllm.engine.model_runner import ModelRunner
@@ -234,6 +288,7 @@ def follower_main(rank: int, world: int, port: int, config: EngineConfig, model_
         from sparsevllm.models.config import ModelConfig, read_config_json
         if device_type == "cuda":
             torch.cuda.set_device(rank)
+        ready.put(rank)   # rank 0 enters the rendezvous only once every follower got this far
         tp.init_tensor_parallel(rank, world, port, backend_for(device_type))
         model_cfg = ModelConfig.from_dict(read_config_json(model_path))
         runner = ModelRunner(config, model_path, model_cfg, get_method(config.vllm_sparse_method))
