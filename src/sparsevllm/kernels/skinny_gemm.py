@@ -345,7 +345,8 @@ def linear_rope_store_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.
         assert kmax is not None and kmin.shape == kmax.shape and kmin.stride() == kmax.stride()
         assert kmin.shape[1:] == k_cache.shape[1:]
     mn, mx = (kmin, kmax) if bounds else (k_cache, k_cache)   # unused without bounds
-    epilogue = dict(pos_ptr=positions.contiguous(), cs_ptr=cos_sin_cache, slot_ptr=slot_mapping.contiguous(), kc_ptr=k_cache, vc_ptr=v_cache,
+    positions, slot_mapping = positions.contiguous(), slot_mapping.contiguous()   # read as ptr + t
+    epilogue = dict(pos_ptr=positions, cs_ptr=cos_sin_cache, slot_ptr=slot_mapping, kc_ptr=k_cache, vc_ptr=v_cache,
                     mn_ptr=mn, mx_ptr=mx, stride_c=cos_sin_cache.stride(0), stride_kcs=k_cache.stride(0),
                     stride_kch=k_cache.stride(1), stride_vcs=v_cache.stride(0), stride_vch=v_cache.stride(1),
                     stride_mp=mn.stride(0), stride_mh=mn.stride(1), Q_SIZE=q_size, KV_SIZE=kv_size, HEAD_DIM=D,

@@ -354,10 +354,11 @@ class HiSparseCacheManager(CacheManager):
         self.kmin[layer_id].index_copy_(0, host_pages, self.scratch_min.index_select(0, dev_pages))
         self.kmax[layer_id].index_copy_(0, host_pages, self.scratch_max.index_select(0, dev_pages))
 
-    def _all_dense(self, step: StepState) -> bool:
-        """An eager decode step without offloaded requests (CUDA-graph capture has no seqs, so
-        graphs always hold the sparse path)."""
-        return bool(step.seqs) and all(s is not None and s.seq_id not in self.decoding for s in step.seqs)
+    @staticmethod
+    def _none_in(step: StepState, ids) -> bool:
+        """An eager decode step none of whose requests is in ids (offloaded: `decoding`; with host
+        pages: `row_of`). CUDA-graph capture has no seqs, so graphs always hold the full path."""
+        return bool(step.seqs) and all(s is not None and s.seq_id not in ids for s in step.seqs)
 
     def on_kv_stored(self, layer_id: int, k: torch.Tensor, v: torch.Tensor, step: StepState) -> None:
         host_k, host_v = self.host.layer(layer_id)
@@ -377,7 +378,7 @@ class HiSparseCacheManager(CacheManager):
                 t.record_stream(self.copy_stream)
             self.copies_pending = True
             return
-        if step.seqs and all(s is not None and s.seq_id not in self.row_of for s in step.seqs):
+        if self._none_in(step, self.row_of):
             return   # an eager decode step without host-backed requests
         # Decode: write the new token through to its host slot, then refresh its page's bounds, for
         # every request with host pages (rows without any hold the trash page: dense requests, padding).
@@ -391,7 +392,7 @@ class HiSparseCacheManager(CacheManager):
 
     def build_decode_view(self, layer_id: int, q: torch.Tensor, step: StepState) -> DecodeView:
         # Static branches: tables too short to select from, eager steps with no offloaded request.
-        if self.host_tables.shape[1] <= self.view_pages or self._all_dense(step):
+        if self.host_tables.shape[1] <= self.view_pages or self._none_in(step, self.decoding):
             return super().build_decode_view(layer_id, q, step)
         P, n = self.page_size, self.view_pages
         rows, lens = step.extras["hisparse_rows"], step.cache_lens

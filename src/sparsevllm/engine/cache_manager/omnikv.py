@@ -16,8 +16,8 @@ generated token, which are always attended and never selected: one token set sha
 a decode view with page size 1 and G = 1, positions in logical order (all below the query's).
 Prefill is dense everywhere; nothing is evicted, so prefix caching and chunked prefill work as for
 vanilla, except that only prompt pages are shared (a generated token's KV comes from the sparse
-decode, not what a miss would prefill: `dense_decode=False`). The selection is handed from a filter layer to its sparse layers through the
-SparseController (put/get), within the step.
+decode, not what a miss would prefill: `dense_decode=False`). The selection is handed from a
+filter layer to its sparse layers through the SparseController (put/get), within the step.
 
 Defaults per model depth L: the paper's filter layers 2, 8, 18 on 32 layers, scaled to round(f * L
 / 32) (SmolLM2's 30 layers: 2, 8, 17); `python -m sparsevllm.tools.omnikv_calibrate` picks them
