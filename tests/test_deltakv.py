@@ -663,6 +663,22 @@ def test_a_prompt_that_fits_a_small_pool_is_served_as_vanilla_serves_it(tiny_mod
     assert want and run(llm, ps, sp) == want
 
 
+def test_a_prompt_that_exactly_fills_the_pool_is_served_when_it_needs_no_decode(tiny_model, tmp_path):
+    """max_tokens=1 finishes at prefill, so no decode token's KV is ever stored: a 64-token prompt
+    in 4 pages of 16 must run, as vanilla runs it."""
+    path = model(tiny_model)
+    comp = compressor(path, tmp_path / "c", "identity")
+    ps = prompts([64], seed=13)
+    sp = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    common = dict(device="cpu", num_kv_pages=4, max_num_seqs=2, max_model_len=512)
+    want = run(LLM(path, device="cpu", max_model_len=512), ps, sp)
+    llm = LLM(path, vllm_sparse_method="deltakv", deltakv_compressor_path=comp, deltakv_decode_keep=512, **common,
+              **SMALL)
+    cm = llm.engine.cache_manager
+    assert cm.num_pages == 4
+    assert want and run(llm, ps, sp) == want   # run() checks the allocator and raw slots are idle again
+
+
 def test_a_prompt_chunked_by_the_step_budget_is_admitted_for_its_real_chunks(tiny_model, tmp_path):
     """max_num_batched_tokens=64 under the default chunk_prefill_size (4096): a 700-token prompt is
     prefilled 64 tokens a step and its raw peak (~290 slots) fits the pool's 352. Admission used to

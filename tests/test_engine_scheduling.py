@@ -138,3 +138,35 @@ def test_a_prefix_hit_on_generated_tokens_equals_a_miss_with_a_sparse_decode(tin
         return out.logprobs[0][out.token_ids[0]].logprob
 
     assert first_logprob(warm) == pytest.approx(first_logprob(LLM(path, **kw)), abs=1e-5)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_prompt_that_exactly_fills_the_pool_is_served_when_it_needs_no_decode(model, async_scheduling):
+    """max_tokens=1 finishes at prefill: the first decode token's KV, which admission reserves for
+    every other request, is never written, so a prompt of exactly the pool's size must run."""
+    p = [(3 * j) % 240 + 5 for j in range(64)]
+    one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    expected = run(LLM(model, page_size=16, enable_prefix_caching=False), [p], one)
+    llm = LLM(model, page_size=16, num_kv_pages=4, async_scheduling=async_scheduling)
+    outs = llm.generate([p], one, use_tqdm=False)
+    assert outs[0].error is None and outs[0].outputs[0].finish_reason == "length"
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    allocator = llm.engine.cache_manager.allocator
+    assert allocator.is_idle() and allocator.num_free == allocator.num_pages == 4
+    # A request that can still decode keeps its reservation: it never fits this pool.
+    two = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    out = llm.generate([p], two, use_tqdm=False)[0]
+    assert out.outputs[0].finish_reason == "error" and "num_kv_pages" in out.error
+    assert allocator.is_idle()
+
+
+def test_a_preempted_request_reserves_decode_room_only_if_it_has_tokens_left(model):
+    """Recomputing a preempted request counts what it generated: with its last token sampled by
+    the prefill, it needs no room for a decode token's KV."""
+    from sparsevllm.engine.sequence import Sequence
+    cm = LLM(model, page_size=16, num_kv_pages=4).engine.cache_manager
+    p = [(3 * j) % 240 + 5 for j in range(63)]
+    for max_tokens, fits in [(2, True), (3, False)]:
+        seq = Sequence(p, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
+        seq.append_token(7)   # generated before the preemption: 64 tokens to recompute
+        assert cm.can_admit(seq) == fits

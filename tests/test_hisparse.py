@@ -250,6 +250,19 @@ def test_hisparse_request_that_never_fits_the_host_fails_alone(tiny_model):
     assert_idle(cm)
 
 
+def test_hisparse_prompt_that_exactly_fills_the_pool_with_its_hot_pages_is_served_with_max_tokens_1(tiny_model):
+    """Prefill holds a 200-token prompt (50 pages) next to the 10 hot pages: 60 pages exactly. With
+    max_tokens=1 no decode token's KV is ever stored, so it must run, with vanilla's token."""
+    path = tiny_model("llama", max_position_embeddings=2048)
+    ps = prompts([200], seed=23)
+    one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    want = token_ids(LLM(path, device="cpu").generate(ps, one, use_tqdm=False))
+    llm = hisparse(path, num_kv_pages=60)
+    outs = llm.generate(ps, one, use_tqdm=False)
+    assert outs[0].error is None and token_ids(outs) == want
+    assert_idle(llm.engine.cache_manager)
+
+
 def test_hisparse_overlapped_scheduling_equals_synchronous(tiny_model):
     """Overlap learns sampled tokens a step late: the buffer hand-over after prefill and the current
     page's moves must not depend on them. Requests end at different steps (a stop token, lengths)."""

@@ -197,11 +197,12 @@ class LLMEngine:
         if len(token_ids) >= self.config.max_model_len:
             return (f"prompt of {len(token_ids)} tokens does not fit max_model_len={self.config.max_model_len} "
                     "(it must leave room for at least one generated token)")
-        if self.cache_manager.pages_for(len(token_ids) + 1) > self.cache_manager.num_pages:
+        cm = self.cache_manager
+        if cm.pages_for(cm.admit_len(len(token_ids), len(token_ids), params.max_tokens)) > cm.num_pages:
             return (f"prompt of {len(token_ids)} tokens needs more KV pages than the whole pool holds "
-                    f"({self.cache_manager.num_pages} pages of {self.config.page_size}); raise num_kv_pages, "
+                    f"({cm.num_pages} pages of {self.config.page_size}); raise num_kv_pages, "
                     "cpu_kv_cache_gb or gpu_memory_utilization")
-        method_error = self.cache_manager.request_error(len(token_ids), params.max_tokens)
+        method_error = cm.request_error(len(token_ids), params.max_tokens)
         if method_error:
             return method_error
         if min(token_ids) < 0 or max(token_ids) >= vocab:

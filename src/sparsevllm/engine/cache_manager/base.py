@@ -105,6 +105,17 @@ class CacheManager:
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
 
+    def admit_len(self, num_tokens: int, num_prompt_tokens: int, max_tokens: int) -> int:
+        """Tokens a request of num_tokens (prompt + what it generated before a preemption) stores up
+        to its first decode step: its tokens, and the KV of the token prefill samples, unless that
+        token is its last (max_tokens or max_model_len reached): then no decode step ever runs, and
+        a prompt that exactly fills the pool with max_tokens=1 fits."""
+        last = min(num_prompt_tokens + max_tokens, self.config.max_model_len)
+        return num_tokens + 1 if num_tokens + 1 < last else num_tokens
+
+    def seq_admit_len(self, seq: Sequence) -> int:
+        return self.admit_len(len(seq), seq.num_prompt_tokens, seq.params.max_tokens)
+
     @property
     def num_pages(self) -> int:
         return self.allocator.num_pages
@@ -135,7 +146,7 @@ class CacheManager:
         """Admit only if the whole current sequence fits, so its prefill never has to preempt."""
         hits = self.cached_prefix(seq)
         revived = sum(1 for p in hits if self.allocator.refcount[p] == 0)
-        needed = self.pages_for(len(seq) + 1) - len(hits) + revived
+        needed = self.pages_for(self.seq_admit_len(seq)) - len(hits) + revived
         return needed <= self.allocator.num_free
 
     def allocate(self, seq: Sequence) -> None:

@@ -484,9 +484,10 @@ class DeltaKVCacheManager(CacheManager):
         # must not be counted again (that failed prompts that fit a small pool).
         # A chunk is at most one step's token budget too (what split_budget reserves).
         chunk = min(self.config.chunk_prefill_size, self.config.max_num_batched_tokens)
-        need = min(len(seq) + 1, knobs.deltakv_sink + knobs.tail_bound + chunk + len(seq) // stride)
+        admit_len = self.seq_admit_len(seq)
+        need = min(admit_len, knobs.deltakv_sink + knobs.tail_bound + chunk + len(seq) // stride)
         return (bool(self.free_rows) and self.raw_slots.num_free - pending >= need
-                and self.pages_for(len(seq) + 1) <= self.allocator.num_free)
+                and self.pages_for(admit_len) <= self.allocator.num_free)
 
     def allocate(self, seq: Sequence) -> None:
         self.tables.open(seq, [])

@@ -196,8 +196,9 @@ class HiSparseCacheManager(CacheManager):
         if self.pages_for(total) > self.host.num_pages:
             return (f"request of {total} tokens (prompt + max_tokens) needs {self.pages_for(total)} host pages, "
                     f"the host pool holds {self.host.num_pages}; raise hisparse_host_memory_gb")
-        if self.pages_for(prompt_len + 1) + self.device_pages > self.num_pages:
-            return (f"prompt of {prompt_len} tokens needs {self.pages_for(prompt_len + 1)} KV pages to prefill plus "
+        prefill_pages = self.pages_for(self.admit_len(prompt_len, prompt_len, max_tokens))
+        if prefill_pages + self.device_pages > self.num_pages:
+            return (f"prompt of {prompt_len} tokens needs {prefill_pages} KV pages to prefill plus "
                     f"{self.device_pages} hot pages, the pool holds {self.num_pages}; raise num_kv_pages")
         return None
 
@@ -207,10 +208,11 @@ class HiSparseCacheManager(CacheManager):
         # Prefill holds the prompt on the device next to the hot pages; the host holds everything.
         # Pages other offloaded prompts still need to finish prefilling are promised: admitting
         # against them would preempt a prompt half-way, and its chunks would be computed twice.
-        promised = sum(max(0, self.pages_for(len(s) + 1) - len(self.tables[sid]))
+        promised = sum(max(0, self.pages_for(self.seq_admit_len(s)) - len(self.tables[sid]))
                        for sid, s in self.prefilling.items())
         return (bool(self.free_rows) and self.pages_for(self._total_len(seq)) <= self.host.num_free
-                and self.pages_for(len(seq) + 1) + self.device_pages + promised <= self.allocator.num_free)
+                and self.pages_for(self.seq_admit_len(seq)) + self.device_pages + promised
+                <= self.allocator.num_free)
 
     def allocate(self, seq: Sequence) -> None:
         super().allocate(seq)
