@@ -109,6 +109,20 @@ def make_tiny_model(path, arch: str = "llama", seed: int = 0, max_shard_size=Non
 
 
 @pytest.fixture(scope="session")
+def preset_model():
+    """preset_model(name) -> the ModelConfig of a benchmark preset (src/sparsevllm/presets/<name>.json)."""
+    import json
+    from importlib import resources
+
+    from sparsevllm.models.config import ModelConfig
+
+    def load(name):
+        text = resources.files("sparsevllm.presets").joinpath(f"{name}.json").read_text()
+        return ModelConfig.from_dict(json.loads(text))
+    return load
+
+
+@pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory):
     """tiny_model(arch="llama", **config_overrides) -> path of a saved tiny random HF model."""
     cache = {}

@@ -4,6 +4,7 @@ decode_keep covers every compressed token (identity compressor), the selection a
 float64 oracle, raw slots really freed and returned, the sizing against vanilla, and the kernels
 against their references (interpreter on CPU, bf16 and graph == eager on the GPU). The trainer is
 tested in test_deltakv_compressor.py."""
+import dataclasses
 import os
 from collections import deque
 
@@ -597,7 +598,7 @@ def test_compressed_tokens_free_their_raw_slots_and_references_stay(tiny_model, 
     assert cm.raw_slots.peak_used >= 500
 
 
-def test_sizing_admits_about_three_times_as_many_128k_requests_as_vanilla():
+def test_sizing_admits_about_three_times_as_many_128k_requests_as_vanilla(preset_model):
     """Llama-3.1-8B's shape, 110 GiB of KV budget: vanilla's pages hold 6 requests of 128K + 256
     tokens; DeltaKV's split of the same bytes (raw room for a prefill step's chunk and the scratch
     off the top) holds over three times as many, counting pages and raw slots."""
@@ -614,10 +615,33 @@ def test_sizing_admits_about_three_times_as_many_128k_requests_as_vanilla():
     per_request_raw = 8 + L // 10 + 2 * 128 + 1
     deltakv_fit = min(pages // -(-L // 16), (raw - 8192) // per_request_raw)   # one chunk raw in prefill
     assert vanilla_fit == 6 and deltakv_fit >= 3 * vanilla_fit, deltakv_fit
-    held = DeltaKVCacheManager.kv_tokens_held(cfg, 131072, 256)
+    model = preset_model("llama-3.1-8b")
+    held = DeltaKVCacheManager.kv_tokens_held(cfg, model, 131072, 256)
     assert held <= 0.35 * L
-    read = DeltaKVCacheManager.decode_kv_tokens_read(cfg, 32, 131072, 131072 + 100)
+    read = DeltaKVCacheManager.decode_kv_tokens_read(cfg, model, 131072, 131072 + 100)
     assert read < 0.35 * 131072
+
+
+def test_roofline_counts_a_latent_in_the_models_own_token_width(preset_model):
+    """A latent of latent_dim elements costs latent_dim / (2 H_kv D) of a raw token. With half
+    Llama-3.1-8B's KV heads (2 H_kv D = 1024, not its 2048) each compressed token's latent weighs
+    twice as much, in what a decode step reads and in what a request holds; the raw part is the same."""
+    cfg = make_config(None, "deltakv", load_format="dummy")
+    knobs = cfg.method_config
+    knobs.deltakv_full_layers = dc.default_full_layers(32)
+    knobs.deltakv_latent_dim = 128
+    llama = preset_model("llama-3.1-8b")
+    narrow = dataclasses.replace(llama, num_key_value_heads=4)
+    sparse_share = (32 - len(knobs.deltakv_full_layers)) / 32   # the layers that hold latents
+    extra = 1 / 1024 - 1 / 2048                                  # one element's weight, narrow minus llama
+    L, out = 131072, 256
+    read = [DeltaKVCacheManager.decode_kv_tokens_read(cfg, m, L, L + 100) for m in (llama, narrow)]
+    # At 128K every one of decode_keep rebuilt tokens is compressed: its latent and its int32 neighbour ids.
+    per_rebuilt = 128 + 2 * knobs.deltakv_neighbors
+    assert read[1] - read[0] == pytest.approx(sparse_share * knobs.deltakv_decode_keep * per_rebuilt * extra)
+    held = [DeltaKVCacheManager.kv_tokens_held(cfg, m, L, out) for m in (llama, narrow)]
+    compressed = L + out - knobs.deltakv_sink - knobs.max_tail
+    assert held[1] - held[0] == pytest.approx(sparse_share * compressed * 128 * extra, abs=1)   # both rounded up
 
 
 def test_same_memory_decodes_more_long_requests_together_than_vanilla(tiny_model, tmp_path):

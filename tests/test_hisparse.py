@@ -288,12 +288,12 @@ def test_hisparse_knobs_are_validated(knob, value):
         make_config(vllm_sparse_method="hisparse", page_size=P, **{knob: value})
 
 
-def test_hisparse_roofline_counts_view_and_bounds():
-    cfg = make_config(vllm_sparse_method="hisparse")
+def test_hisparse_roofline_counts_view_and_bounds(preset_model):
+    cfg, model = make_config(vllm_sparse_method="hisparse"), preset_model("llama-3.1-8b")
     cls = hs.HiSparseCacheManager
-    assert cls.decode_kv_tokens_read(cfg, 32, 1000, 1000) == 1000              # short prompt: dense
-    assert cls.decode_kv_tokens_read(cfg, 32, 64000, 64000) == (128 + 4 + 1) * 16 + 64000 / 16
-    assert cls.kv_tokens_held(cfg, 64000, 256) == (2 * 128 + 4 + 1) * 16
+    assert cls.decode_kv_tokens_read(cfg, model, 1000, 1000) == 1000              # short prompt: dense
+    assert cls.decode_kv_tokens_read(cfg, model, 64000, 64000) == (128 + 4 + 1) * 16 + 64000 / 16
+    assert cls.kv_tokens_held(cfg, model, 64000, 256) == (2 * 128 + 4 + 1) * 16
 
 
 @interp

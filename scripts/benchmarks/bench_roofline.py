@@ -4,7 +4,7 @@ A decode step reads every weight once plus the KV it attends to (BENCHMARKS.md):
     step_time >= (weight_bytes + sum over requests of kv_bytes_read) / hbm_bandwidth
     tokens/s = batch / step_time
 What one request's decode step reads is the method's own answer: its cache manager's classmethod
-`decode_kv_tokens_read(config, num_layers, prompt_len, cache_len)` (KV tokens averaged over layers,
+`decode_kv_tokens_read(config, model_config, prompt_len, cache_len)` (KV tokens averaged over layers,
 metadata in token-sized units), so adding a method never edits this file. `kv_read` is that function
 with the method and its resolved config bound, or None for a dense reader (the HF baseline).
 """

@@ -193,15 +193,18 @@ def kv_read_model(plan: dict, method: str):
     if method not in plan["configs"]:
         return None
     from sparsevllm.method_registry import get_method
-    cls, cfg, layers = get_method(method), plan["configs"][method], plan["model_config"]["num_hidden_layers"]
-    return lambda prompt_len, cache_len: cls.decode_kv_tokens_read(cfg, layers, prompt_len, cache_len)
+    from sparsevllm.models.config import ModelConfig
+    cls, cfg, model = get_method(method), plan["configs"][method], ModelConfig.from_dict(plan["model_config"])
+    return lambda prompt_len, cache_len: cls.decode_kv_tokens_read(cfg, model, prompt_len, cache_len)
 
 
 def kv_tokens_held(plan: dict, method: str, length: int, output_len: int) -> int | None:
     if method not in plan["configs"]:
         return None
     from sparsevllm.method_registry import get_method
-    return get_method(method).kv_tokens_held(plan["configs"][method], length, output_len)
+    from sparsevllm.models.config import ModelConfig
+    model = ModelConfig.from_dict(plan["model_config"])
+    return get_method(method).kv_tokens_held(plan["configs"][method], model, length, output_len)
 
 
 def model_dir(args, plan: dict) -> str:

@@ -89,17 +89,19 @@ class CacheManager:
         nothing to check."""
 
     @classmethod
-    def decode_kv_tokens_read(cls, config: EngineConfig, num_layers: int, prompt_len: int,
+    def decode_kv_tokens_read(cls, config: EngineConfig, model_config: ModelConfig, prompt_len: int,
                               cache_len: int) -> float:
         """KV tokens one decode step of one request reads over a cache of cache_len tokens (prompt
-        prompt_len), averaged over layers, metadata counted in token-sized units: the benchmark's
+        prompt_len), averaged over layers, metadata counted in token-sized units (one token: K + V of
+        one layer, 2 x num_key_value_heads x head_dim elements of model_config): the benchmark's
         roofline. Dense: everything."""
         return cache_len
 
     @classmethod
-    def kv_tokens_held(cls, config: EngineConfig, prompt_len: int, output_len: int) -> int | None:
-        """Device KV tokens one request holds at its peak (the benchmark checks a case fits);
-        None when it cannot be known ahead."""
+    def kv_tokens_held(cls, config: EngineConfig, model_config: ModelConfig, prompt_len: int,
+                       output_len: int) -> int | None:
+        """Device KV tokens one request holds at its peak, in the same token-sized units (the
+        benchmark checks a case fits); None when it cannot be known ahead."""
         return prompt_len + output_len
 
     def pages_for(self, num_tokens: int) -> int:

@@ -440,36 +440,40 @@ class DeltaKVCacheManager(CacheManager):
         return math.ceil(config.page_size * (s["steady"] + s["fixed"] / useful))
 
     @classmethod
-    def _layer_counts(cls, config: EngineConfig, num_layers: int | None) -> tuple[int, int]:
+    def _roofline_shape(cls, config: EngineConfig, model_config: ModelConfig) -> tuple[int, int, int]:
+        """(full layers, sparse layers, one token's K + V elements in one layer: the unit a latent of
+        latent_dim elements is counted in)."""
         full = config.method_config.deltakv_full_layers
-        n = num_layers or 32
+        n = model_config.num_hidden_layers
         n_full = len(full) if full else len(dc.default_full_layers(n))
-        return n_full, n - n_full
+        return n_full, n - n_full, 2 * model_config.num_key_value_heads * model_config.head_dim
 
     @classmethod
-    def decode_kv_tokens_read(cls, config: EngineConfig, num_layers: int, prompt_len: int, cache_len: int) -> float:
+    def decode_kv_tokens_read(cls, config: EngineConfig, model_config: ModelConfig, prompt_len: int,
+                              cache_len: int) -> float:
         """Full layers read the whole cache; a sparse layer reads the sink, the raw tail, and per
-        reconstructed token its latent and its references (distinct references at most)."""
+        reconstructed token its latent and its int32 neighbour ids (two 16-bit elements each) and its
+        references (distinct references at most)."""
         knobs = config.method_config
-        n_full, n_sparse = cls._layer_counts(config, num_layers)
+        n_full, n_sparse, width = cls._roofline_shape(config, model_config)
         sink = knobs.deltakv_sink
         compressed = knobs.compressed_until(prompt_len, cache_len, knobs.spread(n_sparse)) - sink
         kept = min(knobs.deltakv_decode_keep, compressed)
         refs = min(kept * knobs.deltakv_neighbors, sink + compressed // knobs.stride)
-        latent_tokens = kept * ((knobs.deltakv_latent_dim or 128) + 2 * knobs.deltakv_neighbors) / 2048
+        latent_tokens = kept * ((knobs.deltakv_latent_dim or 128) + 2 * knobs.deltakv_neighbors) / width
         sparse = cache_len - compressed + kept + refs + latent_tokens
         return (n_full * cache_len + n_sparse * sparse) / (n_full + n_sparse)
 
     @classmethod
-    def kv_tokens_held(cls, config: EngineConfig, prompt_len: int, output_len: int) -> int | None:
-        """Raw-token equivalents at the end of a request on a 32-layer model with the default full
-        layers (the depth is not passed here): full layers everything, sparse layers the raw sink,
-        tail and references, latents at latent_dim / (2 H_kv D) of a token (Llama-3.1-8B: 2048)."""
+    def kv_tokens_held(cls, config: EngineConfig, model_config: ModelConfig, prompt_len: int,
+                       output_len: int) -> int | None:
+        """Raw-token equivalents at the end of a request: full layers everything, sparse layers the
+        raw sink, tail and references, latents at latent_dim / (2 H_kv D) of a token."""
         knobs = config.method_config
-        n_full, n_sparse = cls._layer_counts(config, None)
+        n_full, n_sparse, width = cls._roofline_shape(config, model_config)
         total = prompt_len + output_len
         compressed = max(0, total - knobs.deltakv_sink - knobs.max_tail)
-        latent_share = (knobs.deltakv_latent_dim or 128) / 2048
+        latent_share = (knobs.deltakv_latent_dim or 128) / width
         per_sparse = total - compressed + compressed / knobs.stride + compressed * latent_share
         return math.ceil((n_full * total + n_sparse * per_sparse) / (n_full + n_sparse))
 

@@ -46,6 +46,7 @@ from sparsevllm.engine.staging import to_device
 from sparsevllm.engine.step import DecodeView, StepState
 from sparsevllm.kernels.hisparse import copy_pages, host_store, swap_plan
 from sparsevllm.kernels.quest import page_minmax, quest_scores, select_pages
+from sparsevllm.models.config import ModelConfig
 
 
 @dataclass
@@ -167,7 +168,8 @@ class HiSparseCacheManager(CacheManager):
         return prompt_len >= knobs.hisparse_min_prompt_len and -(-total_len // P) > knobs.device_pages(P)
 
     @classmethod
-    def decode_kv_tokens_read(cls, config: EngineConfig, num_layers: int, prompt_len: int, cache_len: int) -> float:
+    def decode_kv_tokens_read(cls, config: EngineConfig, model_config: ModelConfig, prompt_len: int,
+                              cache_len: int) -> float:
         """An offloaded request reads the view's pages and the page bounds (1/P of the context);
         misses cross PCIe on top of that (see memory_accounting)."""
         if not cls._sparse(config, prompt_len, cache_len):
@@ -176,7 +178,8 @@ class HiSparseCacheManager(CacheManager):
         return min(config.method_config.view_pages(P) * P, cache_len) + cache_len / P
 
     @classmethod
-    def kv_tokens_held(cls, config: EngineConfig, prompt_len: int, output_len: int) -> int | None:
+    def kv_tokens_held(cls, config: EngineConfig, model_config: ModelConfig, prompt_len: int,
+                       output_len: int) -> int | None:
         """Device tokens while decoding; prefill holds the whole prompt for a while."""
         if not cls._sparse(config, prompt_len, prompt_len + output_len):
             return prompt_len + output_len

@@ -129,11 +129,12 @@ class OmniKVCacheManager(CacheManager):
                              f"valid: layer ids in [0, {num_layers - 1}]")
 
     @classmethod
-    def decode_kv_tokens_read(cls, config: EngineConfig, num_layers: int, prompt_len: int, cache_len: int) -> float:
+    def decode_kv_tokens_read(cls, config: EngineConfig, model_config: ModelConfig, prompt_len: int,
+                              cache_len: int) -> float:
         """Dense layers read the whole cache (a filter layer's scores with the default selector come
         out of its own attention; softmax_max reads the prompt's keys twice more: half a token's
         K + V each time); sparse layers read the kept prompt tokens and every generated one."""
-        knobs = config.method_config
+        knobs, num_layers = config.method_config, model_config.num_hidden_layers
         filters = knobs.omnikv_filter_layers or default_filter_layers(num_layers)
         roles = layer_roles(num_layers, filters, knobs.omnikv_wait_layers)
         kept = knobs.num_kept(prompt_len) + cache_len - prompt_len

@@ -125,10 +125,11 @@ class QuestCacheManager(CacheManager):
         return super().bytes_per_page(config, num_layers, num_kv_heads, head_dim, dtype) + meta
 
     @classmethod
-    def decode_kv_tokens_read(cls, config: EngineConfig, num_layers: int, prompt_len: int, cache_len: int) -> float:
+    def decode_kv_tokens_read(cls, config: EngineConfig, model_config: ModelConfig, prompt_len: int,
+                              cache_len: int) -> float:
         """The first quest_skip_layers layers read everything; the others read the page bounds (a min
         and a max key per page: cache_len / P token-equivalents of K + V) plus the budget."""
-        knobs = config.method_config
+        knobs, num_layers = config.method_config, model_config.num_hidden_layers
         skip = knobs.quest_skip_layers
         budget = max(3, knobs.quest_token_budget // config.page_size) * config.page_size
         sparse = min(budget, cache_len) + cache_len / config.page_size

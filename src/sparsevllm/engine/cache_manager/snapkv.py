@@ -53,6 +53,7 @@ from sparsevllm.engine.sequence import Sequence
 from sparsevllm.engine.staging import to_device
 from sparsevllm.engine.step import StepState
 from sparsevllm.kernels.snapkv import select_kept, window_scores
+from sparsevllm.models.config import ModelConfig
 
 logger = logging.getLogger(__name__)
 
@@ -120,12 +121,14 @@ class SnapKVCacheManager(CacheManager):
         self.evicted_tokens_total = 0
 
     @classmethod
-    def decode_kv_tokens_read(cls, config: EngineConfig, num_layers: int, prompt_len: int, cache_len: int) -> float:
+    def decode_kv_tokens_read(cls, config: EngineConfig, model_config: ModelConfig, prompt_len: int,
+                              cache_len: int) -> float:
         """After prefill a request keeps snapkv_capacity prompt tokens; decode tokens append."""
         return min(prompt_len, config.method_config.snapkv_capacity) + (cache_len - prompt_len)
 
     @classmethod
-    def kv_tokens_held(cls, config: EngineConfig, prompt_len: int, output_len: int) -> int | None:
+    def kv_tokens_held(cls, config: EngineConfig, model_config: ModelConfig, prompt_len: int,
+                       output_len: int) -> int | None:
         return None   # the peak depends on when eviction runs relative to the other requests' prefill
 
     def _evicts(self, seq: Sequence) -> bool:
