@@ -127,6 +127,14 @@ def test_a_gpt2_config_names_the_unsupported_architecture(tmp_path):
         LLM(str(tmp_path), device="cpu")
 
 
+def test_a_config_naming_only_an_unknown_model_type_names_it_and_the_supported_architectures(tmp_path):
+    cfg = {"model_type": "gpt2", "n_embd": 64, "n_head": 4, "n_layer": 2, "vocab_size": 100}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="unsupported model architecture 'gpt2'; supported: LlamaForCausalLM, "
+                                         "MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM"):
+        LLM(str(tmp_path), device="cpu")
+
+
 def test_cli_prints_errors_without_a_traceback_and_shows_defaults(tiny_model):
     import subprocess
     import sys

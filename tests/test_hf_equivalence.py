@@ -116,6 +116,37 @@ def test_sliding_window_caps_the_context_where_attention_is_exact(tiny_model):
     assert ModelConfig.from_dict(dict(base, architectures=["LlamaForCausalLM"])).sliding_window is None
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral"])
+def test_a_config_without_architectures_loads_by_its_model_type(tiny_model, tmp_path, arch):
+    """Some config.json files name only model_type: it stands for its architecture class, and the
+    model gives Hugging Face's tokens as it does with `architectures`."""
+    import json
+    import shutil
+    path = tiny_model(arch)
+    bare = tmp_path / "bare"
+    shutil.copytree(path, bare)
+    cfg = json.loads((bare / "config.json").read_text())
+    del cfg["architectures"]
+    (bare / "config.json").write_text(json.dumps(cfg))
+    sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    llm = LLM(str(bare), page_size=4)
+    assert llm.engine.model_config.architecture == {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                                                    "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM"}[arch]
+    assert llm.generate(PROMPTS[0], sp, use_tqdm=False)[0].outputs[0].token_ids == hf_greedy(path, PROMPTS[0], 8)
+
+
+def test_a_model_type_only_config_follows_its_architectures_sliding_window_rules():
+    """Mistral applies its window to every layer, Qwen2 only with use_sliding_window, Llama never."""
+    from sparsevllm.models.config import ModelConfig
+    base = dict(vocab_size=8, hidden_size=8, intermediate_size=8, num_hidden_layers=28, num_attention_heads=1,
+                sliding_window=4096)
+    assert ModelConfig.from_dict(dict(base, model_type="mistral")).sliding_window == 4096
+    assert ModelConfig.from_dict(dict(base, model_type="qwen2", use_sliding_window=True,
+                                      max_window_layers=21)).sliding_window == 4096
+    assert ModelConfig.from_dict(dict(base, model_type="qwen2")).sliding_window is None
+    assert ModelConfig.from_dict(dict(base, model_type="llama")).sliding_window is None
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_attention_bias_matches_transformers(tiny_model, arch):
     """attention_bias=True (Llama-architecture conversions, Qwen3's config field) puts a bias on

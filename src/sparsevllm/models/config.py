@@ -67,9 +67,19 @@ def active_sliding_window(d: dict) -> int | None:
     return window if on else None
 
 
+# Some config.json files (older conversions, hand-written ones) name no `architectures`, only a
+# model_type; the registry and the sliding-window rules know the class names.
+ARCHITECTURE_OF_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                              "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+
 def config_architecture(d: dict) -> str:
-    """The architecture a config.json names (its first `architectures` entry, else `model_type`)."""
-    return (d.get("architectures") or [d.get("model_type", "?")])[0]
+    """The architecture a config.json names: its first `architectures` entry, else the class its
+    `model_type` stands for (an unknown model_type as it is, for the registry to name it)."""
+    if d.get("architectures"):
+        return d["architectures"][0]
+    model_type = d.get("model_type", "?")
+    return ARCHITECTURE_OF_MODEL_TYPE.get(model_type, model_type)
 
 
 def read_config_json(path: str) -> dict:
