@@ -144,6 +144,18 @@ def test_roofline_matches_the_llama_8b_figures_in_benchmarks_md():
     assert four["roofline_tok_s"] == pytest.approx(200, rel=0.03)
 
 
+def test_roofline_counts_qwen2_qkv_bias_from_architectures_alone():
+    """Qwen2 has a qkv bias without an attention_bias field; a config.json naming only
+    `architectures` (no model_type) must count it too."""
+    cfg = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
+           "num_hidden_layers": 2, "vocab_size": 100}
+    plain = bench_roofline.weight_bytes(cfg, 2)
+    bias = 2 * 2 * (64 + 2 * 32)   # layers x bytes x (q + k + v)
+    assert bench_roofline.weight_bytes({**cfg, "architectures": ["Qwen2ForCausalLM"]}, 2) == plain + bias
+    assert bench_roofline.weight_bytes({**cfg, "model_type": "qwen2"}, 2) == plain + bias
+    assert bench_roofline.weight_bytes({**cfg, "architectures": ["LlamaForCausalLM"]}, 2) == plain
+
+
 def test_sparse_rooflines_match_the_speedups_benchmarks_md_allows():
     """BENCHMARKS.md: at 128K / batch 4 the roofline allows ~3.4x for Quest (budget 2048) and ~5x for
     SnapKV (capacity 2048) over vanilla."""

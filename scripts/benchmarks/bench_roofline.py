@@ -10,6 +10,8 @@ with the method and its resolved config bound, or None for a dense reader (the H
 """
 from typing import Callable
 
+from sparsevllm.models.config import config_architecture
+
 # device-to-device copy rate measured on the H200 (BENCHMARKS.md)
 DEFAULT_HBM_BW = 4.23e12
 
@@ -25,7 +27,7 @@ def weight_bytes(cfg: dict, dtype_bytes: int) -> int:
     q = cfg["num_attention_heads"] * _head_dim(cfg)
     kv = cfg.get("num_key_value_heads", cfg["num_attention_heads"]) * _head_dim(cfg)
     per_layer = h * q + 2 * h * kv + q * h + 3 * h * inter
-    if cfg.get("attention_bias") or cfg.get("model_type") == "qwen2":
+    if cfg.get("attention_bias") or config_architecture(cfg) == "Qwen2ForCausalLM":   # Qwen2: qkv bias always
         per_layer += q + 2 * kv
     params = cfg["num_hidden_layers"] * per_layer + h * cfg["vocab_size"]
     return params * dtype_bytes
