@@ -321,6 +321,28 @@ def test_preemption_recomputes_a_compacted_request_to_the_same_output(model, equ
         assert llm.engine.scheduler.num_preemptions > 0
 
 
+def test_recompute_whose_prompt_hits_a_live_requests_pages_waits_for_room_to_compact(model):
+    # A 100-token prompt (compacted to C = 64) beside a live request whose prompt is its first 64
+    # tokens (not compacted): when it is preempted and recomputed, its first 4 pages are prefix hits
+    # that request holds. Admission counted them as held, but compaction copies the kept tokens
+    # into pages of its own: with 10 pages there was then no page for its generated tokens, so it
+    # was preempted and admitted again in every step, and the other request never decoded again.
+    x = prompts(1, base=100)[0]
+    ps = [x[:C], x]
+    sp = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (60, 40)]
+    expected = run(LLM(model, "snapkv", enable_prefix_caching=False, **KNOBS), ps, sp)
+    llm = LLM(model, "snapkv", num_kv_pages=10, **KNOBS)
+    eng = llm.engine
+    seqs = [eng.add_request(p, s) for p, s in zip(ps, sp)]
+    for _ in range(200):   # 100 tokens to decode, the recompute's prefill steps and the waits
+        if not eng.has_work():
+            break
+        eng.step()
+    assert not eng.has_work(), "a request was preempted and admitted again without end"
+    assert [s.completion_token_ids for s in seqs] == expected
+    assert eng.scheduler.num_preemptions > 0 and eng.cache_manager.allocator.is_idle()
+
+
 def test_window_that_does_not_fit_the_token_budget_waits_without_deadlock(model):
     # Found by simulating the scheduler: with 15-token chunks and a 20-token step budget, a request
     # reaches its window when only 5 tokens of budget are left; chunk_size gives it 0 that step.

@@ -36,7 +36,9 @@ Engine interplay:
 - Prefix caching: raw prompt pages are named and shared as usual, but prefix hits of a long prompt
   stop before its window (the window's queries must be recomputed). The prompt's full raw pages are
   named before they are released, so a later identical prompt still hits them. Compacted pages are
-  never named (commit names only raw caches) and compaction never writes into a shared page.
+  never named (commit names only raw caches) and compaction never writes into a shared page: a
+  request's kept tokens go to pages of its own even where its prompt pages are shared hits, so
+  admission also asks for those (`can_admit`).
 - Preemption: a preempted request is recomputed from prompt + generated tokens. The chunk that ends
   at the prompt's end compacts exactly as the first time; the generated tokens are then prefilled
   over the compacted cache, which is the attention they had in decode, so outputs stay the same up
@@ -151,6 +153,19 @@ class SnapKVCacheManager(CacheManager):
             # Hits may not reach into the window: its queries are needed to score the prompt.
             pages = pages[:(seq.num_prompt_tokens - self.window) // self.page_size]
         return pages
+
+    def can_admit(self, seq: Sequence) -> bool:
+        """The base rule (the whole sequence fits beside its prefix-cache hits), and room for what
+        the request holds after compaction: its C kept tokens and the tokens after its prompt, all
+        in pages of its own, also where its prompt's pages are hits shared with live requests (a
+        recompute after preemption with such hits used to be admitted, compact, find no page for
+        its generated tokens, be preempted and admitted again, every step, starving every decode)."""
+        if not super().can_admit(seq):
+            return False
+        if not self._evicts(seq):
+            return True
+        after = self.capacity + len(seq) - seq.num_prompt_tokens + 1
+        return self.pages_for(after) <= self.allocator.num_free
 
     def free(self, seq: Sequence) -> None:
         super().free(seq)
