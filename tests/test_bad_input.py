@@ -85,6 +85,18 @@ def test_request_larger_than_kv_pool_fails_alone(tiny_model):
     assert llm.engine.cache_manager.allocator.is_idle()
 
 
+def test_failed_requests_leave_nothing_of_theirs_in_the_engine(tiny_model):
+    """Seeded samples refused at arrival, and seeded samples that outgrow the pool while decoding:
+    their generators used to stay in the engine for good (a server kept one per such sample)."""
+    llm = LLM(tiny_model("llama"), num_kv_pages=4, page_size=16)
+    sp = SamplingParams(temperature=0.8, seed=3, n=2, max_tokens=200, ignore_eos=True)
+    outs = llm.generate([list(range(3, 200)), list(range(3, 40))], sp, use_tqdm=False)
+    assert [o.finish_reason for out in outs for o in out.outputs] == ["error"] * 4
+    assert "num_kv_pages" in outs[0].error and "no longer fits" in outs[1].error
+    eng = llm.engine
+    assert not eng._seq_generators and not eng.has_work() and eng.cache_manager.allocator.is_idle()
+
+
 def test_unsupported_architecture(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "vocab_size": 10,
                                                       "hidden_size": 8, "intermediate_size": 8,

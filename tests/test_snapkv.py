@@ -321,6 +321,47 @@ def test_preemption_recomputes_a_compacted_request_to_the_same_output(model, equ
         assert llm.engine.scheduler.num_preemptions > 0
 
 
+def test_recompute_whose_prompt_hits_a_live_requests_pages_waits_for_room_to_compact(model):
+    # A 100-token prompt (compacted to C = 64) beside a live request whose prompt is its first 64
+    # tokens (not compacted): when it is preempted and recomputed, its first 4 pages are prefix hits
+    # that request holds. Admission counted them as held, but compaction copies the kept tokens
+    # into pages of its own: with 10 pages there was then no page for its generated tokens, so it
+    # was preempted and admitted again in every step, and the other request never decoded again.
+    x = prompts(1, base=100)[0]
+    ps = [x[:C], x]
+    sp = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (60, 40)]
+    expected = run(LLM(model, "snapkv", enable_prefix_caching=False, **KNOBS), ps, sp)
+    llm = LLM(model, "snapkv", num_kv_pages=10, **KNOBS)
+    eng = llm.engine
+    seqs = [eng.add_request(p, s) for p, s in zip(ps, sp)]
+    for _ in range(200):   # 100 tokens to decode, the recompute's prefill steps and the waits
+        if not eng.has_work():
+            break
+        eng.step()
+    assert not eng.has_work(), "a request was preempted and admitted again without end"
+    assert [s.completion_token_ids for s in seqs] == expected
+    assert eng.scheduler.num_preemptions > 0 and eng.cache_manager.allocator.is_idle()
+
+
+def test_a_prompt_admitted_after_a_compacting_chunk_leaves_the_compaction_its_pages(model):
+    # A 100-token prompt whose first 4 pages are hits held by a live request (prompt: its first 64
+    # tokens) owns 3 pages, and its compaction needs 4 fresh ones. In the step of its last chunk a
+    # 47-token prompt was admitted after it and took the 3 pages left of 10: there was then no page
+    # to compact into, and the request silently kept its whole prompt (its tokens not SnapKV's).
+    x = prompts(1, base=100)[0]
+    ps = [x[:C], x, prompts(2, base=47, step=0)[1]]
+    sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    expected = run(LLM(model, "snapkv", enable_prefix_caching=False, **KNOBS), ps, sp)
+    llm = LLM(model, "snapkv", num_kv_pages=10, **KNOBS)
+    eng = llm.engine
+    seqs = [eng.add_request(ps[0], sp)]
+    eng.step()                                    # its pages are named: the long prompt hits them
+    seqs += [eng.add_request(p, sp) for p in ps[1:]]
+    eng.run(seqs, use_tqdm=False)
+    assert [s.completion_token_ids for s in seqs] == expected
+    assert llm.memory_accounting()["compactions"] == 1 and eng.cache_manager.allocator.is_idle()
+
+
 def test_window_that_does_not_fit_the_token_budget_waits_without_deadlock(model):
     # Found by simulating the scheduler: with 15-token chunks and a 20-token step budget, a request
     # reaches its window when only 5 tokens of budget are left; chunk_size gives it 0 that step.

@@ -170,8 +170,7 @@ class AsyncLLM:
     def _fail(self, seqs: list[Sequence], message: str) -> None:
         for seq in seqs:
             if not seq.is_finished:
-                seq.error = message
-                self.engine.scheduler.finish(seq, "error")
+                self.engine.fail(seq, message)
         self.engine.reset_in_flight()
 
     def _publish(self) -> None:

@@ -176,13 +176,12 @@ class LLMEngine:
             child.prefix_parent = seq
         error = self._request_error(token_ids, params)
         for s in seq.group:
+            if error:
+                self.fail(s, error)
+                continue
             if s.params.seed is not None:
                 self._seq_generators[s.seq_id] = torch.Generator(self.model_runner.device).manual_seed(s.params.seed)
-            if error:
-                s.error = error
-                self.scheduler.finish(s, "error")
-            else:
-                self.scheduler.add(s)
+            self.scheduler.add(s)
         if error:
             logger.warning("request %d failed: %s", seq.seq_id, error)
         elif len(token_ids) + params.max_tokens > self.config.max_model_len:
@@ -298,9 +297,7 @@ class LLMEngine:
             seq.token_times.append(now)
             reason = self.outputs.finish_reason(seq, token)
             if reason:
-                self.scheduler.finish(seq, reason)
-                self._seq_generators.pop(seq.seq_id, None)
-                self.outputs.forget(seq)
+                self._end(seq, reason)
                 finished.append(seq)
         return finished
 
@@ -308,10 +305,9 @@ class LLMEngine:
         """Nothing can run and nothing is in flight: the head of the queue needs more pages than
         exist even with every other request gone. Fail it rather than wait forever."""
         seq = self.scheduler.waiting[0] if self.scheduler.waiting else self.scheduler.running[0]
-        seq.error = (f"request of {len(seq)} tokens no longer fits the KV pool ({self.cache_manager.num_pages} "
-                     f"pages of {self.config.page_size})")
+        self.fail(seq, f"request of {len(seq)} tokens no longer fits the KV pool ({self.cache_manager.num_pages} "
+                       f"pages of {self.config.page_size})")
         logger.warning("request %d failed: %s", seq.seq_id, seq.error)
-        self.scheduler.finish(seq, "error")
         return [seq]
 
     def run(self, seqs: list[Sequence], use_tqdm: bool = True, desc: str = "generate") -> None:
@@ -334,9 +330,20 @@ class LLMEngine:
         token of it still in flight is dropped when it arrives."""
         for seq in request.group:
             if not seq.is_finished:
-                self.scheduler.finish(seq, "abort")
-                self._seq_generators.pop(seq.seq_id, None)
-                self.outputs.forget(seq)
+                self._end(seq, "abort")
+
+    def fail(self, seq: Sequence, message: str) -> None:
+        """Finish one sample with finish_reason 'error' and this message (a request that can never
+        run, a failed step); its pages are freed."""
+        seq.error = message
+        self._end(seq, "error")
+
+    def _end(self, seq: Sequence, reason: str) -> None:
+        """Finish one sample, free its pages and drop what the engine keeps for a live sample (its
+        generator, its stop-string search): every way a request ends goes through here."""
+        self.scheduler.finish(seq, reason)
+        self._seq_generators.pop(seq.seq_id, None)
+        self.outputs.forget(seq)
 
     def reset_in_flight(self) -> None:
         """After a failed step: forget the step in flight (its requests were failed)."""

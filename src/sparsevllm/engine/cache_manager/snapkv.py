@@ -36,7 +36,10 @@ Engine interplay:
 - Prefix caching: raw prompt pages are named and shared as usual, but prefix hits of a long prompt
   stop before its window (the window's queries must be recomputed). The prompt's full raw pages are
   named before they are released, so a later identical prompt still hits them. Compacted pages are
-  never named (commit names only raw caches) and compaction never writes into a shared page.
+  never named (commit names only raw caches) and compaction never writes into a shared page: a
+  request's kept tokens go to pages of its own even where its prompt pages are shared hits, so
+  admission also asks for those (`can_admit`), and the chunk that ends a prompt keeps the pages its
+  compaction needs free from the rest of its step (`reserve`): a compaction always finds them.
 - Preemption: a preempted request is recomputed from prompt + generated tokens. The chunk that ends
   at the prompt's end compacts exactly as the first time; the generated tokens are then prefilled
   over the compacted cache, which is the attention they had in decode, so outputs stay the same up
@@ -117,6 +120,7 @@ class SnapKVCacheManager(CacheManager):
         self._pending_step: StepState | None = None
         self._compacted_now: set[int] = set()   # compacted by this step's on_step_end, not yet committed
         self._evicted: dict[int, int] = {}      # live request -> tokens it evicted
+        self._compacting: dict[int, Sequence] = {}   # requests whose chunk this step ends their prompt
         self.num_compactions = 0
         self.evicted_tokens_total = 0
 
@@ -155,10 +159,50 @@ class SnapKVCacheManager(CacheManager):
             pages = pages[:(seq.num_prompt_tokens - self.window) // self.page_size]
         return pages
 
+    def can_admit(self, seq: Sequence) -> bool:
+        """The base rule (the whole sequence fits beside its prefix-cache hits), and room for what
+        the request holds after compaction: its C kept tokens and the tokens after its prompt, all
+        in pages of its own, also where its prompt's pages are hits shared with live requests (a
+        recompute after preemption with such hits used to be admitted, compact, find no page for
+        its generated tokens, be preempted and admitted again, every step, starving every decode)."""
+        if not super().can_admit(seq):
+            return False
+        if not self._evicts(seq):
+            return True
+        after = self.capacity + len(seq) - seq.num_prompt_tokens + 1
+        return self.pages_for(after) <= self.allocator.num_free
+
+    def _shortfall(self, seq: Sequence, new_pages: int = 0) -> int:
+        """Free pages seq's compaction needs at the step's end: it moves the C kept tokens into fresh
+        pages and releases the prompt's, but a page it shares (a prefix hit held by a live request,
+        or one a later request of the step hits) stays taken."""
+        own = sum(1 for page in self.tables[seq.seq_id] if self.allocator.refcount[page] == 1) + new_pages
+        return max(0, self.pages_for(self.capacity) - own)
+
+    def reserve(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """The base rule, and the pages the compactions of this step need stay free: a chunk that
+        ends a prompt keeps them from the chunks and admissions scheduled after it (they used to
+        take them, and the request then kept its whole prompt: SnapKV silently off, its tokens
+        depending on the batch). Shortfalls are counted now, as later prefix hits raise them."""
+        start = seq.num_computed_tokens
+        compacts = self._evicts(seq) and seq.cache_len == start and start + num_new_tokens == seq.num_prompt_tokens
+        new_pages = max(0, self.pages_for(seq.cache_len + num_new_tokens) - len(self.tables[seq.seq_id]))
+        kept_free = sum(self._shortfall(s) for s in self._compacting.values() if s is not seq)
+        if compacts:
+            kept_free += self._shortfall(seq, new_pages)
+        if new_pages + kept_free > self.allocator.num_free:
+            return False
+        taken = super().reserve(seq, num_new_tokens)
+        assert taken
+        if compacts:
+            self._compacting[seq.seq_id] = seq
+        return True
+
     def free(self, seq: Sequence) -> None:
         super().free(seq)
         self._evicted.pop(seq.seq_id, None)
         self._compacted_now.discard(seq.seq_id)
+        self._compacting.pop(seq.seq_id, None)
 
     def commit(self, seq: Sequence, num_new_tokens: int) -> None:
         if seq.seq_id in self._compacted_now:
@@ -209,6 +253,7 @@ class SnapKVCacheManager(CacheManager):
         for c in pending:
             if len(c.kept) == self.num_layers:
                 self._compact(c.seq, torch.stack(c.kept))
+            self._compacting.pop(c.seq.seq_id, None)
 
     # ---- compaction ------------------------------------------------------------------------------
     def _compact(self, seq: Sequence, kept: torch.Tensor) -> None:
@@ -218,11 +263,7 @@ class SnapKVCacheManager(CacheManager):
         old = self.tables[seq.seq_id]
         need = self.pages_for(C)
         releasable = sum(1 for p in old if self.allocator.refcount[p] == 1)
-        if self.allocator.num_free + releasable < need:
-            # Only when most of the prompt is a prefix shared with live requests and the pool is full.
-            logger.warning("request %d: no pages to compact its %d-token prompt into; it keeps its full cache",
-                           seq.seq_id, L)
-            return
+        assert self.allocator.num_free + releasable >= need, "reserve keeps the pages of a compaction free"
         self.tables.name_full_pages(seq, L)  # a later equal prompt can reuse them
         dev = self.device
         old_t = to_device(old, dev)
