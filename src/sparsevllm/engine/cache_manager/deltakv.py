@@ -61,8 +61,9 @@ Deviations:
   attend to their whole prefix (compressed part rebuilt), not to the decode view (sink + top
   decode_keep + raw tail) they attended to when generated, so a preempted request's continuation
   can differ from an uninterrupted run. With async_scheduling a tight pool can preempt where the
-  synchronous engine does not (a finished request's extra step holds its pages a step longer);
-  without preemption the two give the same tokens (tested).
+  synchronous engine does not (a finished request's extra step holds its pages a step longer),
+  and it admits a prompt a step later, so where a step's token budget cuts chunks short they can
+  end elsewhere; without preemption and with whole chunks the two give the same tokens (tested).
 - The nearest references are ranked in fp32, a chunk of tokens at a time. On the GPU, when each
   request compresses at most 512 tokens (decode steps), a bf16 GEMM first shortlists 32 candidates a
   token and only those are ranked in fp32 (the fp32 GEMM against every reference was ~half of a
