@@ -169,7 +169,7 @@ class SnapKVCacheManager(CacheManager):
             return False
         if not self._evicts(seq):
             return True
-        after = self.capacity + len(seq) - seq.num_prompt_tokens + 1
+        after = self.capacity + self.seq_admit_len(seq) - seq.num_prompt_tokens   # admit_len: + 1 if it decodes
         return self.pages_for(after) <= self.allocator.num_free
 
     def _shortfall(self, seq: Sequence, new_pages: int = 0) -> int:
