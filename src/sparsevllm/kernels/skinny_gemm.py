@@ -243,8 +243,9 @@ def launch_config(n: int, silu_mul: bool, sms: int) -> tuple[int, int, int, int,
     to an even count a program, in the smallest tile that holds them (qkv: 48 columns on 128 SMs;
     gate_up: 110 + 110 on 131; the sweep behind it timed 109 and 110 columns; times in the module
     docstring). Wider weights (the LM head) keep 64-column tiles in many waves. These configs take
-    120-147 KB of shared memory (one CTA an SM); half the BLOCK_K with one more stage (two CTAs an SM,
-    so the next PDL launch could sit beside the one draining) measured slower (README, 2026-12-06)."""
+    120-147 KB of shared memory (one CTA an SM). Half the BLOCK_K with one more stage (two CTAs an SM,
+    so the next PDL launch could sit beside the one draining) plus the first weight tile loaded before
+    gdc_wait measured slower on an H100 (a layer's four GEMMs 166.5 us against 149.5; README, 2026-12-06)."""
     cols = -(-n // sms)
     cols += cols % 2      # qkv: 47 -> 48 columns measured 14.1 -> 13.7 us
     if silu_mul:
