@@ -187,24 +187,27 @@ def validate(args) -> dict:
             "configs": configs, "model_config": model_cfg, "is_preset": is_preset}
 
 
+def _method_roofline_args(plan: dict, method: str):
+    """(cache manager class, resolved engine config, ModelConfig) for the roofline classmethods."""
+    from sparsevllm.method_registry import get_method
+    from sparsevllm.models.config import ModelConfig
+    return get_method(method), plan["configs"][method], ModelConfig.from_dict(plan["model_config"])
+
+
 def kv_read_model(plan: dict, method: str):
     """What one request's decode step reads, as the method's cache manager says (None: dense, the
     HF baseline)."""
     if method not in plan["configs"]:
         return None
-    from sparsevllm.method_registry import get_method
-    from sparsevllm.models.config import ModelConfig
-    cls, cfg, model = get_method(method), plan["configs"][method], ModelConfig.from_dict(plan["model_config"])
+    cls, cfg, model = _method_roofline_args(plan, method)
     return lambda prompt_len, cache_len: cls.decode_kv_tokens_read(cfg, model, prompt_len, cache_len)
 
 
 def kv_tokens_held(plan: dict, method: str, length: int, output_len: int) -> int | None:
     if method not in plan["configs"]:
         return None
-    from sparsevllm.method_registry import get_method
-    from sparsevllm.models.config import ModelConfig
-    model = ModelConfig.from_dict(plan["model_config"])
-    return get_method(method).kv_tokens_held(plan["configs"][method], model, length, output_len)
+    cls, cfg, model = _method_roofline_args(plan, method)
+    return cls.kv_tokens_held(cfg, model, length, output_len)
 
 
 def model_dir(args, plan: dict) -> str:
