@@ -17,8 +17,9 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 from sparsevllm import LLM, SamplingParams  # noqa: E402
-from sparsevllm import deltakv_compressor as dc  # noqa: E402
-from sparsevllm.engine.cache_manager.deltakv import DeltaKVCacheManager, layer_roles  # noqa: E402
+from sparsevllm.engine.cache_manager.deltakv import compressor as dc  # noqa: E402
+from sparsevllm.engine.cache_manager.cross_layer import layer_roles  # noqa: E402
+from sparsevllm.engine.cache_manager.deltakv import DeltaKVCacheManager  # noqa: E402
 from sparsevllm.engine.cache_manager.vanilla import VanillaCacheManager  # noqa: E402
 from sparsevllm.kernels import deltakv as kd  # noqa: E402
 from sparsevllm.method_registry import make_config  # noqa: E402
@@ -101,7 +102,7 @@ def test_default_full_layers_are_the_papers_scaled_to_the_depth():
     assert dc.default_full_layers(30) == [0, 1, 2, 8, 17]
     assert dc.default_full_layers(4) == [0, 1, 2]
     roles = layer_roles(6, [0, 3])
-    assert roles == [("full", 1), ("sparse", 0), ("sparse", 0), ("full", 1), ("sparse", 3), ("sparse", 3)]
+    assert roles == [("filter", None), ("sparse", 0), ("sparse", 0), ("filter", None), ("sparse", 3), ("sparse", 3)]
 
 
 @pytest.mark.parametrize("knobs,msg", [
@@ -253,7 +254,7 @@ def test_engine_with_the_shortlist_equals_the_full_ranking(tiny_model, tmp_path,
     """The shortlist path (on by default on the GPU for decode-time compressions) forced on the CPU:
     same references, latents and tokens as ranking every reference in fp32, with a shortlist shorter
     than the references; prefill chunks (more tokens a request than SHORTLIST_TOKENS) rank fully."""
-    from sparsevllm.engine.cache_manager import deltakv
+    from sparsevllm.engine.cache_manager.deltakv import compression as deltakv
     monkeypatch.setattr(deltakv, "SHORTLIST", 8)
     monkeypatch.setattr(deltakv, "SHORTLIST_TOKENS", 64)   # decode windows: shortlist, in several rounds
     monkeypatch.setattr(deltakv, "REF_BUCKET", 16)      # decode windows padded: tokens to 8, references to 16
@@ -382,7 +383,7 @@ def test_up_of_gathered_latents_equals_up_of_the_gather(kind):
 def test_engine_with_the_triton_kernels_equals_the_references(tiny_model, tmp_path, monkeypatch):
     """The decode and prefill paths with every DeltaKV Triton kernel (interpreted on the CPU) give
     the tokens the torch references give: the GPU wiring, short of graphs."""
-    from sparsevllm.engine.cache_manager import deltakv
+    from sparsevllm.engine.cache_manager.deltakv import compression, manager
     from sparsevllm.kernels import omnikv
     path = model(tiny_model)
     comp = compressor(path, tmp_path / "c", "random", latent=6)
@@ -391,9 +392,9 @@ def test_engine_with_the_triton_kernels_equals_the_references(tiny_model, tmp_pa
     knobs = dict(vllm_sparse_method="deltakv", device="cpu", deltakv_compressor_path=comp, deltakv_decode_keep=12,
                  chunk_prefill_size=64, **SMALL)
     want = run(LLM(path, **knobs), ps, sp)
-    monkeypatch.setattr(deltakv, "reconstruct", kd.reconstruct_triton)
-    monkeypatch.setattr(deltakv, "gather_x", kd.gather_x_triton)
-    monkeypatch.setattr(deltakv, "select_tokens", omnikv.select_tokens_triton)
+    monkeypatch.setattr(manager, "reconstruct", kd.reconstruct_triton)
+    monkeypatch.setattr(compression, "gather_x", kd.gather_x_triton)
+    monkeypatch.setattr(manager, "select_tokens", omnikv.select_tokens_triton)
     monkeypatch.setattr(kd, "gather_linear", kd.gather_linear_triton)
     assert run(LLM(path, **knobs), ps, sp) == want
 
@@ -417,7 +418,7 @@ def test_deltakv_equals_vanilla_when_nothing_is_compressed(tiny_model, tmp_path,
                                                   ([300, 170, 45], 4096, 3), ([230, 301], 64, 2)])
 def test_deltakv_equals_vanilla_when_decode_keep_covers_every_compressed_token(tiny_model, tmp_path, lengths, chunk,
                                                                               windows, monkeypatch):
-    from sparsevllm.engine.cache_manager import deltakv
+    from sparsevllm.engine.cache_manager.deltakv import compression as deltakv
     monkeypatch.setattr(deltakv, "COMPRESS_CHUNK", 16)   # a long prompt's compression runs in chunks
     path = model(tiny_model)
     comp = compressor(path, tmp_path / "c", "identity")
@@ -478,7 +479,7 @@ def test_requests_compressed_together_equal_one_at_a_time(tiny_model, tmp_path, 
     """Decode ages out a window in requests of equal (length - sink) mod recent at the same step; they
     are compressed as one padded batch. Latents, references and tokens equal compressing each
     request alone (COMPRESS_REFS = 1 puts every request in its own batch)."""
-    from sparsevllm.engine.cache_manager import deltakv
+    from sparsevllm.engine.cache_manager.deltakv import compression as deltakv
     path = model(tiny_model)
     comp = compressor(path, tmp_path / "c", "random", latent=4)
     ps = prompts([100, 132, 68], seed=6)        # 96, 128, 64 past the sink: multiples of the window
@@ -602,7 +603,7 @@ def test_sizing_admits_about_three_times_as_many_128k_requests_as_vanilla(preset
     """Llama-3.1-8B's shape, 110 GiB of KV budget: vanilla's pages hold 6 requests of 128K + 256
     tokens; DeltaKV's split of the same bytes (raw room for a prefill step's chunk and the scratch
     off the top) holds over three times as many, counting pages and raw slots."""
-    from sparsevllm.engine.cache_manager.deltakv import split_budget
+    from sparsevllm.engine.cache_manager.deltakv.config import split_budget
     knobs = dict(max_model_len=131072 + 256, max_num_seqs=64, load_format="dummy")
     cfg = make_config(None, "deltakv", **knobs)
     cfg.method_config.deltakv_full_layers = dc.default_full_layers(32)

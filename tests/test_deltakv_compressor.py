@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from sparsevllm import deltakv_compressor as dc
+from sparsevllm.engine.cache_manager.deltakv import compressor as dc
 from sparsevllm.models.config import ModelConfig, read_config_json
 
 

@@ -31,7 +31,7 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 from sparsevllm import LLM, SamplingParams  # noqa: E402
-from sparsevllm import deltakv_compressor as dc  # noqa: E402
+from sparsevllm.engine.cache_manager.deltakv import compressor as dc  # noqa: E402
 from sparsevllm.models.config import ModelConfig, read_config_json  # noqa: E402
 
 P = 4              # page size

@@ -210,14 +210,14 @@ def test_hisparse_preemption_recomputes_and_frees(tiny_model):
 
 
 def decode_batches(llm):
-    cm, sizes = llm.engine.cache_manager, []
-    prepare = cm.prepare_step
+    runner, sizes = llm.engine.model_runner, []
+    prepare = runner.prepare_step
 
     def spy(seqs, num_tokens, is_prefill, *feed):
         if not is_prefill:
             sizes.append(len(seqs))
         return prepare(seqs, num_tokens, is_prefill, *feed)
-    cm.prepare_step = spy
+    runner.prepare_step = spy
     return sizes
 
 

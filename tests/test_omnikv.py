@@ -13,7 +13,8 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 from sparsevllm import LLM, SamplingParams  # noqa: E402
-from sparsevllm.engine.cache_manager.omnikv import default_filter_layers, layer_roles  # noqa: E402
+from sparsevllm.engine.cache_manager.cross_layer import layer_roles  # noqa: E402
+from sparsevllm.engine.cache_manager.omnikv import default_filter_layers  # noqa: E402
 from sparsevllm.kernels import omnikv as ok  # noqa: E402
 from sparsevllm.method_registry import make_config  # noqa: E402
 

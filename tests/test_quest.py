@@ -42,8 +42,8 @@ def token_ids(outs):
 def graph_shaped(llm):
     """Decode steps get a block table max_model_len / P wide with random page ids past each row's
     pages, as the CUDA-graph static buffer holds stale entries there."""
-    cm = llm.engine.cache_manager
-    prepare, width = cm.prepare_step, cm.pages_for(llm.config.max_model_len)
+    cm, runner = llm.engine.cache_manager, llm.engine.model_runner
+    prepare, width = runner.prepare_step, cm.pages_for(llm.config.max_model_len)
     gen = torch.Generator().manual_seed(1)
 
     def wide(seqs, num_tokens, is_prefill, *feed):
@@ -56,7 +56,7 @@ def graph_shaped(llm):
                                                           generator=gen, dtype=torch.int32)
             step.block_tables = bt.to(step.block_tables.device)
         return step
-    cm.prepare_step = wide
+    runner.prepare_step = wide
     return llm
 
 

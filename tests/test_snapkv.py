@@ -265,7 +265,7 @@ def test_prefix_cache_reuses_raw_prompt_pages_but_never_names_compacted_ones(mod
     batch = eng.scheduler._schedule_prefill()
     assert seq.num_computed_tokens == (150 - W) // P * P == 128, "hits stop before the window"
     assert batch.num_tokens == [150 - 128]
-    step = cm.prepare_step(batch.seqs, batch.num_tokens, True)
+    step = eng.model_runner.prepare_step(batch.seqs, batch.num_tokens, True)
     eng.model_runner.forward(step)
     cm.on_step_end(step)
     for s, n in zip(batch.seqs, batch.num_tokens):

@@ -13,8 +13,29 @@ DEVICES = ("auto", "cpu", "cuda")
 LOAD_FORMATS = ("auto", "dummy")
 
 
+def is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)   # True is an int to Python, not to a user
+
+
+def is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def need(ok: bool, knob: str, value, valid: str) -> None:
+    """The one error of a bad knob: its name, the value given and what is valid."""
+    if not ok:
+        raise ValueError(f"{knob}={value!r} is invalid; valid: {valid}")
+
+
+class Knobs:
+    """Validation shared by the engine's and the methods' knob dataclasses."""
+
+    def need(self, ok: bool, knob: str, valid: str) -> None:
+        need(ok, knob, getattr(self, knob), valid)
+
+
 @dataclass
-class MethodConfig:
+class MethodConfig(Knobs):
     """Base of a method's knob dataclass. Subclasses add fields named `<method>_<knob>`."""
 
     @classmethod
@@ -28,7 +49,7 @@ class MethodConfig:
 
 
 @dataclass
-class EngineConfig:
+class EngineConfig(Knobs):
     model: str | None = None
     vllm_sparse_method: str = "vanilla"
     dtype: str = "auto"
@@ -48,13 +69,12 @@ class EngineConfig:
     seed: int = 0
     tensor_parallel_size: int = 1
     method_config: MethodConfig = field(default_factory=MethodConfig, repr=False)
+    # The cache-manager class registered as vllm_sparse_method: looked up once, by make_config.
+    method: type | None = field(default=None, repr=False)
 
     def validate(self) -> None:
         self.method_config.validate(self)  # first: a method may dictate an engine knob (its page size)
-
-        def need(ok, knob, valid):
-            if not ok:
-                raise ValueError(f"{knob}={getattr(self, knob)!r} is invalid; valid: {valid}")
+        need = self.need
         need(self.dtype in DTYPES, "dtype", " | ".join(DTYPES))
         need(self.device in DEVICES, "device", " | ".join(DEVICES))
         need(self.load_format in LOAD_FORMATS, "load_format", " | ".join(LOAD_FORMATS))
@@ -64,23 +84,21 @@ class EngineConfig:
             need(isinstance(getattr(self, knob), int) and getattr(self, knob) >= 1, knob, "an integer >= 1")
         need(self.max_model_len is None or (isinstance(self.max_model_len, int) and self.max_model_len >= 2),
              "max_model_len", "None (the model's context) or an integer >= 2")
-
-        def number(x) -> bool:   # compared below: a string would raise a TypeError naming no knob
-            return isinstance(x, (int, float)) and not isinstance(x, bool)
-        need(number(self.gpu_memory_utilization) and 0.0 < self.gpu_memory_utilization <= 1.0,
+        # (numbers are compared below: a string would raise a TypeError naming no knob)
+        need(is_number(self.gpu_memory_utilization) and 0.0 < self.gpu_memory_utilization <= 1.0,
              "gpu_memory_utilization", "a fraction in (0, 1]")
-        need(number(self.cpu_kv_cache_gb) and self.cpu_kv_cache_gb > 0, "cpu_kv_cache_gb", "a positive number of GiB")
+        need(is_number(self.cpu_kv_cache_gb) and self.cpu_kv_cache_gb > 0, "cpu_kv_cache_gb", "a positive number of GiB")
         for knob in ("enforce_eager", "enable_prefix_caching"):   # "no" would read as True
             need(isinstance(getattr(self, knob), bool), knob, "True or False")
-        need(isinstance(self.seed, int) and not isinstance(self.seed, bool) and -2**63 <= self.seed < 2**64,
+        need(is_int(self.seed) and -2**63 <= self.seed < 2**64,
              "seed", "an integer in [-2**63, 2**64) (torch's generator range)")
         need(self.num_kv_pages is None or (isinstance(self.num_kv_pages, int) and self.num_kv_pages >= 1),
              "num_kv_pages", "None (sized from memory) or an integer >= 1")
         need(self.async_scheduling is None or isinstance(self.async_scheduling, bool), "async_scheduling",
              "None (on for CUDA, off on a CPU), True or False")
-        need(isinstance(self.tensor_parallel_size, int) and not isinstance(self.tensor_parallel_size, bool)
-             and self.tensor_parallel_size >= 1, "tensor_parallel_size",
+        need(is_int(self.tensor_parallel_size) and self.tensor_parallel_size >= 1, "tensor_parallel_size",
              "an integer >= 1 (one process per rank, one GPU per rank on CUDA)")
 
 
-ENGINE_KNOBS = [f.name for f in fields(EngineConfig) if f.name not in ("model", "vllm_sparse_method", "method_config")]
+ENGINE_KNOBS = [f.name for f in fields(EngineConfig)
+                if f.name not in ("model", "vllm_sparse_method", "method_config", "method")]

@@ -63,6 +63,6 @@ def make_config(model: str | None = None, vllm_sparse_method: str | None = None,
             hint = f"; did you mean {close[0]!r}?" if close else f"; valid knobs: {', '.join(known)}"
             raise ValueError(f"unknown knob {key!r}{hint}")
     cfg = EngineConfig(model=model, vllm_sparse_method=method_cls.method_name,
-                       method_config=method_cls.config_cls(**method_kw), **engine_kw)
+                       method_config=method_cls.config_cls(**method_kw), method=method_cls, **engine_kw)
     cfg.validate()
     return cfg

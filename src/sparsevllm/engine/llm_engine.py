@@ -10,12 +10,11 @@ from tqdm.auto import tqdm
 
 from sparsevllm.config import EngineConfig
 from sparsevllm.distributed import check_kv_heads
-from sparsevllm.engine.model_runner import ModelRunner, resolve_device
+from sparsevllm.engine.model_runner import ModelRunner, make_cache_manager, resolve_device
 from sparsevllm.engine.output_processor import OutputProcessor
 from sparsevllm.engine.sampling import SampledStep, position_logprobs, sample_step
 from sparsevllm.engine.scheduler import Scheduler
 from sparsevllm.engine.sequence import Sequence
-from sparsevllm.method_registry import get_method
 from sparsevllm.models.config import ModelConfig, config_architecture, read_config_json
 from sparsevllm.models.registry import get_model_class
 from sparsevllm.outputs import RequestOutput
@@ -54,24 +53,24 @@ class LLMEngine:
             raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's context "
                              f"({limit}={context}" + ("; sliding-window attention is not implemented"
                                                       if limit == "sliding_window" else "") + ")")
-        method_cls = get_method(config.vllm_sparse_method)
-        method_cls.validate_model(config, model_cfg)   # knobs against the model's shape, before weights load
+        config.method.validate_model(config, model_cfg)   # knobs against the model's shape, before weights load
         self.config = config
         self.tokenizer = self._load_tokenizer(model_path)
         eos_token_ids = self._eos_ids(model_path)
-        self.workers = self._start_workers(config, model_cfg, method_cls) if config.tensor_parallel_size > 1 else None
+        self.workers = self._start_workers(config, model_cfg) if config.tensor_parallel_size > 1 else None
         if self.workers is not None:
             atexit.register(self.shutdown)   # the one exit hook: graphs dropped before the ranks' teardown
         try:
-            self.model_runner = ModelRunner(config, model_path, model_cfg, method_cls)
+            self.model_runner = ModelRunner(config, model_path, model_cfg)
+            cm = make_cache_manager(config, model_cfg, self.model_runner)
         except BaseException as e:
             self._raise_worker_failure(e)
-        self.cache_manager = self.model_runner.cache_manager
         if self.workers is not None:
             self.workers.mid_collectives = False   # every rank's construction collectives paired with rank 0's
             from sparsevllm.engine.tensor_parallel import CommandedCacheManager
-            self.cache_manager = CommandedCacheManager(self.cache_manager, self.workers)
-        self.scheduler = Scheduler(config, self.cache_manager)
+            cm = CommandedCacheManager(cm, self.workers)   # records the page decisions the followers replay
+        self.cache_manager = cm
+        self.scheduler = Scheduler(config, cm)
         self.generator = torch.Generator(device=self.model_runner.device).manual_seed(config.seed)
         self._seq_generators: dict[int, torch.Generator] = {}
         # Overlapped scheduling pays where the device runs asynchronously to the host (CUDA); on a
@@ -81,10 +80,10 @@ class LLMEngine:
         self._in_flight: SampledStep | None = None
         self.outputs = OutputProcessor(self.tokenizer, eos_token_ids, config.max_model_len)
 
-    def _start_workers(self, config: EngineConfig, model_cfg: ModelConfig, method_cls):
+    def _start_workers(self, config: EngineConfig, model_cfg: ModelConfig):
         """Check the split before anything loads, then spawn ranks 1..N-1 (rank 0 is this process)."""
         n = config.tensor_parallel_size
-        if not method_cls.capabilities.tensor_parallel:
+        if not config.method.capabilities.tensor_parallel:
             raise ValueError(f"vllm_sparse_method={config.vllm_sparse_method!r} does not support "
                              f"tensor_parallel_size={n} yet; use tensor_parallel_size=1")
         check_kv_heads(model_cfg.num_key_value_heads, model_cfg.num_attention_heads, n)
@@ -221,9 +220,9 @@ class LLMEngine:
     def step(self) -> tuple[list[Sequence], int]:
         """One engine step; returns the requests it finished and the tokens its forward processed.
 
-        The lifecycle of a step, in order: schedule -> prepare (host inputs) -> forward ->
-        on_step_end -> sample -> commit (counters) are issued by `_launch`; finish (learn the sampled
-        tokens, stop conditions, free) is `_finish`. With overlapped scheduling (async_scheduling)
+        The lifecycle of a step, in order: schedule -> prepare (host inputs, the method's
+        on_step_begin) -> forward -> on_step_end -> sample -> commit (counters) are issued by
+        `_launch`; finish (learn the sampled tokens, stop conditions, free) is `_finish`. With overlapped scheduling (async_scheduling)
         the step finished here is the one launched before: its tokens were produced by the GPU
         while the host built this one, and this one reads them on the device.
         """
@@ -254,7 +253,9 @@ class LLMEngine:
         if prev is not None and not batch.is_prefill:
             feed = [prev.rows.get(s.seq_id, -1) if s.num_pending_tokens else -1 for s in batch.seqs]
             feed = feed if max(feed) >= 0 else None
-        step = cm.prepare_step(batch.seqs, batch.num_tokens, batch.is_prefill, feed)
+        if self.workers is not None:   # the followers replay the page decisions, then run the same step
+            cm.send_step(batch.seqs, batch.num_tokens, batch.is_prefill, feed is not None)
+        step = runner.prepare_step(batch.seqs, batch.num_tokens, batch.is_prefill, feed)
         logits = runner.forward(step, prev.device_tokens if feed is not None else None)
         cm.on_step_end(step)
         sampled = sample_step(step, logits, self._seq_generators, self.generator, self.eos_token_ids)

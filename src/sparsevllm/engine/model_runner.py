@@ -1,15 +1,19 @@
-"""Device, model, KV pool sizing, the forward of one step and sampling. No method branches here:
-methods act only through the cache manager's hooks."""
+"""Device, model, KV pool sizing, the step's inputs, the forward of one step and its CUDA graphs.
+No method branches here: methods act only through the cache manager's hooks."""
 import gc
 import logging
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from sparsevllm import distributed as tp
 from sparsevllm.config import EngineConfig
+from sparsevllm.engine.cache_manager.base import CacheManager
+from sparsevllm.engine.sequence import Sequence
+from sparsevllm.engine.staging import HostStaging
 from sparsevllm.engine.step import StepState
-from sparsevllm.engine.sparse_controller import SparseController
+from sparsevllm.layers.attention import Attention
 from sparsevllm.models.config import ModelConfig
 from sparsevllm.models.loader import init_dummy_weights, load_weights
 from sparsevllm.models.registry import get_model_class
@@ -30,8 +34,19 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def make_cache_manager(config: EngineConfig, model_config: ModelConfig, runner: "ModelRunner") -> CacheManager:
+    """The one place a rank's cache manager is built: the method's class (config.method) over the KV
+    pages this rank's memory holds beside its weights, then bound to the runner's attention layers."""
+    num_pages = tp.agree_min(runner.num_kv_pages(config.method))   # every rank holds the same pages
+    cm = config.method(config, model_config, runner.num_kv_heads, num_pages, runner.dtype, runner.device)
+    runner.bind(cm)
+    logger.info("model %s on %s (%s), KV pool %d pages of %d tokens", model_config.architecture, runner.device,
+                runner.dtype, cm.num_pages, config.page_size)
+    return cm
+
+
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model_path: str, model_config: ModelConfig, method_cls):
+    def __init__(self, config: EngineConfig, model_path: str, model_config: ModelConfig):
         self.config, self.model_config = config, model_config
         self.device = resolve_device(config.device)
         self.dtype = DTYPES[config.dtype] if config.dtype != "auto" else (
@@ -49,31 +64,35 @@ class ModelRunner:
         else:
             load_weights(self.model, model_path)
         self.model.eval()
-        model_cfg = model_config
-        self.num_kv_heads = model_cfg.num_key_value_heads // tp.tp_size()   # this rank's KV heads
-        # Every rank holds the same pages (rank 0 allocates them for all): the fewest any rank fits.
-        num_pages = tp.agree_min(self._num_kv_pages(method_cls))
-        self.cache_manager = method_cls(config, model_cfg.num_hidden_layers, self.num_kv_heads,
-                                        model_cfg.head_dim, num_pages, self.dtype, self.device)
-        self.controller = SparseController(self.cache_manager)
+        self.num_kv_heads = model_config.num_key_value_heads // tp.tp_size()   # this rank's KV heads
+        self.staging = HostStaging(self.device)
+        self.cache_manager: CacheManager | None = None
         self.graphs = None
-        if self.device.type == "cuda" and not config.enforce_eager:
-            if method_cls.capabilities.cuda_graph:
+        self.execution_mode = "eager"
+
+    def bind(self, cache_manager: CacheManager) -> None:
+        """Hand every attention layer the cache manager, then capture the decode graphs over its hooks."""
+        self.cache_manager = cache_manager
+        for module in self.model.modules():
+            if isinstance(module, Attention):
+                module.cache_manager = cache_manager
+        if self.device.type == "cuda" and not self.config.enforce_eager:
+            if cache_manager.capabilities.cuda_graph:
                 self.graphs = DecodeGraphs(self)
             else:
                 logger.warning("method %s cannot be captured in CUDA graphs: decode runs eagerly",
-                               config.vllm_sparse_method)
+                               self.config.vllm_sparse_method)
         self.execution_mode = "cuda_graph" if self.graphs is not None else "eager"
-        logger.info("model %s on %s (%s), KV pool %d pages of %d tokens", model_cfg.architecture, self.device,
-                    self.dtype, num_pages, config.page_size)
 
-    def _num_kv_pages(self, method_cls) -> int:
+    def num_kv_pages(self, method: type[CacheManager]) -> int:
+        """KV pages of this rank: num_kv_pages if set, else what the memory left after the weights
+        and the activations holds (cpu_kv_cache_gb on a CPU), and never more than every running
+        request at full length could use."""
         cfg, model_cfg = self.config, self.model_config
-        page_bytes = method_cls.bytes_per_page(cfg, model_cfg.num_hidden_layers, self.num_kv_heads,
-                                               model_cfg.head_dim, self.dtype)
+        page_bytes = method.bytes_per_page(cfg, model_cfg.num_hidden_layers, self.num_kv_heads,
+                                           model_cfg.head_dim, self.dtype)
         if cfg.num_kv_pages is not None:
             return cfg.num_kv_pages
-        # Never more than every running request at full length could use.
         useful = cfg.max_num_seqs * (-(-cfg.max_model_len // cfg.page_size))
         if self.device.type == "cpu":
             return max(1, min(useful, int(cfg.cpu_kv_cache_gb * GiB) // page_bytes))
@@ -82,8 +101,8 @@ class ModelRunner:
         used_by_others = total - free - torch.cuda.memory_reserved(self.device)
         activations = self._activation_bytes()
         budget = total * cfg.gpu_memory_utilization - used_by_others - torch.cuda.memory_allocated(self.device) \
-            - activations - method_cls.fixed_device_bytes(cfg, model_cfg.num_hidden_layers,
-                                                          model_cfg.num_key_value_heads, model_cfg.head_dim, self.dtype)
+            - activations - method.fixed_device_bytes(cfg, model_cfg.num_hidden_layers,
+                                                      model_cfg.num_key_value_heads, model_cfg.head_dim, self.dtype)
         pages = int(budget // page_bytes)
         if pages < 1:
             raise ValueError(f"no GPU memory left for the KV cache (gpu_memory_utilization="
@@ -110,6 +129,64 @@ class ModelRunner:
             self.execution_mode = "eager"
             gc.collect()   # no device sync: after a failed rank a captured all-reduce may never finish
 
+    def prepare_step(self, seqs: list[Sequence], num_tokens: list[int], is_prefill: bool,
+                     feed_rows: list[int] | None = None) -> StepState:
+        """Build the step's inputs from the requests' counters and the cache manager's block tables,
+        then let the method add its own (`on_step_begin`). The last token of a request that has all
+        its known tokens computed after this step is sampled. feed_rows[i] >= 0 names the row of the
+        previous step's sampled tokens that holds request i's input token (overlapped decode)."""
+        cm = self.cache_manager
+        P, B, T = cm.page_size, len(seqs), sum(num_tokens)
+        width = max(len(cm.tables[s.seq_id]) for s in seqs)
+        sampled = [i for i, (s, n) in enumerate(zip(seqs, num_tokens)) if s.num_computed_tokens + n == len(s)]
+        # Prompt positions whose logits a request wants (prompt_logprobs): each predicts the next
+        # prompt token, so the last prompt position (it predicts the first output) is not one.
+        prompt_rows = [(i, s.num_computed_tokens, min(n, s.num_prompt_tokens - 1 - s.num_computed_tokens))
+                       for i, (s, n) in enumerate(zip(seqs, num_tokens))
+                       if s.params.prompt_logprobs is not None and s.num_computed_tokens < s.num_prompt_tokens - 1]
+        S = sum(count for _, _, count in prompt_rows) + len(sampled)
+        F = B if feed_rows is not None else 0
+        # Every integer input of the step goes into one (pinned) host buffer and crosses to the
+        # device in one copy, already in the dtypes the kernels take: per-tensor copies and casts
+        # cost more than the decode step's own host work at small batch.
+        n64, n32 = 3 * T + S + F, B * width + 2 * B + 1       # int64: ids, pos, slots, logits rows, feed
+        raw = self.staging.host(8 * n64 + 4 * n32)
+        i64, i32 = raw[:8 * n64].view(np.int64), raw[8 * n64:].view(np.int32)
+        ids, pos, slots = i64[:T], i64[T:2 * T], i64[2 * T:3 * T]
+        lens, cu, tables = i32[:B], i32[B:2 * B + 1], i32[2 * B + 1:].reshape(B, width)
+        cu[0], off = 0, 0
+        for i, (seq, n) in enumerate(zip(seqs, num_tokens)):
+            start = seq.num_computed_tokens
+            known = seq.token_ids[start:start + n]
+            ids[off:off + len(known)] = known
+            ids[off + len(known):off + n] = 0   # still on the device: fed from feed_rows
+            pos[off:off + n] = np.arange(start, start + n)
+            stored = np.arange(seq.cache_len, seq.cache_len + n)
+            arr = cm.tables.arrays[seq.seq_id]
+            slots[off:off + n] = arr[stored // P].astype(np.int64) * P + stored % P
+            tables[i] = arr[:width]
+            lens[i] = seq.cache_len + n
+            off += n
+            cu[i + 1] = off
+        rows = cu[1:][sampled] - 1
+        if prompt_rows:
+            rows = np.concatenate([np.arange(cu[i], cu[i] + count) for i, _, count in prompt_rows] + [rows])
+        i64[3 * T:3 * T + S] = rows
+        if F:
+            i64[3 * T + S:] = feed_rows
+        has_prefix = bool((lens != np.asarray(num_tokens)).any())
+        dev = self.staging.upload(raw)
+        d64, d32 = dev[:8 * n64].view(torch.int64), dev[8 * n64:].view(torch.int32)
+        step = StepState(
+            is_prefill=is_prefill, seqs=seqs, num_tokens=list(num_tokens), sampled=sampled,
+            input_ids=d64[:T], positions=d64[T:2 * T], slot_mapping=d64[2 * T:3 * T],
+            block_tables=d32[2 * B + 1:].view(B, width), cache_lens=d32[:B], cu_seqlens_q=d32[B:2 * B + 1],
+            max_seqlen_q=max(num_tokens), has_prefix=has_prefix, logits_indices=d64[3 * T:3 * T + S],
+            prompt_logprob_rows=prompt_rows,
+            feed_rows=d64[3 * T + S:] if F else None)
+        cm.on_step_begin(step)
+        return step
+
     @torch.inference_mode()
     def forward(self, step: StepState, prev_tokens: torch.Tensor | None = None) -> torch.Tensor | None:
         """Run the model on a step; return fp32 logits of the rows in step.logits_indices (None on
@@ -126,12 +203,8 @@ class ModelRunner:
         return self.eager_forward(step)
 
     def eager_forward(self, step: StepState) -> torch.Tensor | None:
-        self.controller.begin(step)
-        try:
-            hidden = self.model(step.input_ids, step.positions)
-            logits = self.model.compute_logits(hidden[step.logits_indices])
-        finally:
-            self.controller.end()
+        hidden = self.model(step)
+        logits = self.model.compute_logits(hidden[step.logits_indices])
         return logits.float() if logits is not None else None
 
 
@@ -186,13 +259,10 @@ class DecodeGraphs:
         self.runner.eager_forward(step)  # warm-up: compiles kernels outside the capture
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
-        self.runner.controller.begin(step)
-        try:
-            with torch.cuda.graph(graph, pool=self.pool):
-                hidden = self.runner.model(step.input_ids, step.positions)
-                self.outputs[b] = self.runner.model.compute_logits(hidden[step.logits_indices], gather=False)
-        finally:
-            self.runner.controller.end()
+        step = self._view(b)   # a fresh step: what the warm-up's hooks left in step.scratch is not captured
+        with torch.cuda.graph(graph, pool=self.pool):
+            hidden = self.runner.model(step)
+            self.outputs[b] = self.runner.model.compute_logits(hidden[step.logits_indices], gather=False)
         self.pool = self.pool or graph.pool()
         self.graphs[b] = graph
 

@@ -1,6 +1,6 @@
 """The per-step types: what one forward step reads (StepState) and what one attention reads
-(PrefillView, DecodeView). The cache manager builds them; the model runner, the attention layer
-and the controller pass them on."""
+(PrefillView, DecodeView). The model runner builds the step (`ModelRunner.prepare_step`), the cache
+manager adds its extras and builds the views; the model passes the step down to its attention layers."""
 from dataclasses import dataclass, field
 
 import torch
@@ -39,20 +39,21 @@ class PrefillView:
 class StoreTarget:
     """Where a decode step's new K/V go, for a projection that writes them itself (the qkv GEMM's
     epilogue on decode steps: RoPE, the write, and optionally per-page key bounds, in the launch
-    that computes them). slot_mapping / positions: [T] as in StepState; kmin / kmax: [num_pages,
-    H_kv, D] bounds to fold each new key into (Quest), or None."""
+    that computes them). slot_mapping / positions: [T] as in StepState; page_min / page_max:
+    [num_pages, H_kv, D] channel-wise bounds of each page's keys to fold each new key into, or None."""
     k_cache: torch.Tensor
     v_cache: torch.Tensor
     slot_mapping: torch.Tensor
     positions: torch.Tensor
-    kmin: torch.Tensor | None = None
-    kmax: torch.Tensor | None = None
+    page_min: torch.Tensor | None = None
+    page_max: torch.Tensor | None = None
     page_size: int = 1
 
 
 @dataclass
 class StepState:
-    """Everything one forward step needs, built once by `prepare_step` and passed down."""
+    """Everything one forward step needs, built once by `ModelRunner.prepare_step` and passed down
+    to every hook. The engine makes one per step and drops it after the step's `on_step_end`."""
     is_prefill: bool
     seqs: list[Sequence]
     num_tokens: list[int]            # new tokens per request this step
@@ -73,9 +74,14 @@ class StepState:
     # Decode under overlapped scheduling: row i's input token is the previous step's sampled token
     # feed_rows[i] (-1: input_ids[i] is already right). None when no input waits on the device.
     feed_rows: torch.Tensor | None = None
-    # Method-owned per-step tensors (e.g. selection buffers). The model runner copies them into
-    # static CUDA-graph buffers like every other tensor field.
+    # Method-owned per-step tensors (e.g. selection buffers), set by the cache manager's
+    # `on_step_begin`. The model runner copies decode ones into static CUDA-graph buffers like every
+    # other tensor field (`graph_extras` declares them).
     extras: dict[str, torch.Tensor] = field(default_factory=dict)
+    # Method-owned per-step state that is no graph input: what one hook hands to a later hook of the
+    # same step (a filter layer's token scores to the layers after it, a compaction's kept tokens
+    # to on_step_end). Under CUDA graphs it is filled once, while the graph is captured.
+    scratch: dict[str, object] = field(default_factory=dict)
 
     @property
     def batch_size(self) -> int:

@@ -192,11 +192,12 @@ class CommandedCacheManager:
         ops, self._ops = self._ops, []
         return ops
 
-    def prepare_step(self, seqs, num_tokens, is_prefill, feed_rows=None):
+    def send_step(self, seqs, num_tokens, is_prefill, fed: bool) -> None:
+        """Before rank 0 builds a step: the followers replay the page decisions since the last one,
+        then build and run the same step (fed: its input ids come from rank 0's broadcast)."""
         snaps = [_snapshot(s, self._sent) for s in seqs]
         self._workers.mid_collectives = True   # the followers run this step's collectives until on_step_end
-        self._workers.send(("step", self._flush(), snaps, list(num_tokens), is_prefill, feed_rows is not None))
-        return self._cm.prepare_step(seqs, num_tokens, is_prefill, feed_rows)
+        self._workers.send(("step", self._flush(), snaps, list(num_tokens), is_prefill, fed))
 
     def on_step_end(self, step):
         out = self._cm.on_step_end(step)
@@ -211,8 +212,8 @@ class CommandedCacheManager:
 class Follower:
     """A rank > 0: mirrors of the requests, the rank's model runner, and the command loop."""
 
-    def __init__(self, runner):
-        self.runner, self.cm = runner, runner.cache_manager
+    def __init__(self, runner, cache_manager):
+        self.runner, self.cm = runner, cache_manager
         self.seqs: dict[int, Sequence] = {}
 
     def _mirror(self, snap: tuple) -> Sequence:
@@ -238,7 +239,7 @@ class Follower:
     def _step(self, ops, snaps, num_tokens, is_prefill, fed) -> None:
         self._replay(ops)
         seqs = [self._mirror(s) for s in snaps]
-        step = self.cm.prepare_step(seqs, num_tokens, is_prefill)
+        step = self.runner.prepare_step(seqs, num_tokens, is_prefill)
         if fed:
             dist.broadcast(step.input_ids, src=0)
         self.runner.forward(step)
@@ -283,16 +284,15 @@ def follower_main(rank: int, world: int, port: int, config: EngineConfig, model_
                   errors, ready) -> None:
     try:
         _die_with_parent()
-        from sparsevllm.engine.model_runner import ModelRunner
-        from sparsevllm.method_registry import get_method
+        from sparsevllm.engine.model_runner import ModelRunner, make_cache_manager
         from sparsevllm.models.config import ModelConfig, read_config_json
         if device_type == "cuda":
             torch.cuda.set_device(rank)
         ready.put(rank)   # rank 0 enters the rendezvous only once every follower got this far
         tp.init_tensor_parallel(rank, world, port, backend_for(device_type))
         model_cfg = ModelConfig.from_dict(read_config_json(model_path))
-        runner = ModelRunner(config, model_path, model_cfg, get_method(config.vllm_sparse_method))
-        Follower(runner).loop()
+        runner = ModelRunner(config, model_path, model_cfg)
+        Follower(runner, make_cache_manager(config, model_cfg, runner)).loop()
         runner.release_graphs()
     except BaseException:
         errors.put((rank, traceback.format_exc()))

@@ -3,15 +3,15 @@
 project (model) -> store_kv (RoPE + the cache write; on decode steps the model's qkv projection
 does it instead where the cache manager's store_target names the cache) -> on_kv_stored -> prefill
 (observe_prefill_queries, then attention over prefill_view), or decode over build_decode_view.
-Method behaviour enters only through those cache-manager hooks.
+Method behaviour enters only through those cache-manager hooks. The step arrives as an argument
+(the model passes it down); the cache manager is the one the model runner binds to every layer.
 """
 import os
 
 import torch
 from torch import nn
 
-from sparsevllm.engine.step import StoreTarget
-from sparsevllm.forward_context import get_forward_context
+from sparsevllm.engine.step import StepState, StoreTarget
 from sparsevllm.kernels.decode_attention import decode_attention
 from sparsevllm.kernels.prefill_attention import prefill_attention
 from sparsevllm.layers.rotary_embedding import RotaryEmbedding
@@ -27,21 +27,21 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = scale
         self.rope = rope
+        self.cache_manager = None   # set once by the model runner (ModelRunner.__init__)
 
-    def store_target(self) -> StoreTarget | None:
+    def store_target(self, step: StepState) -> StoreTarget | None:
         """Where this layer's qkv projection may rotate and write K/V itself on a decode step (the
         GEMM's epilogue, one launch fewer than projecting and then store_kv), or None. The cache
         manager names it (store_target); SPARSEVLLM_FUSED_ROPE_STORE=0 always says None (A/B)."""
         if not FUSED_ROPE_STORE:
             return None
-        ctx = get_forward_context()
-        return ctx.cache_manager.store_target(self.layer_id, ctx.step)
+        return self.cache_manager.store_target(self.layer_id, step)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, stored: bool = False) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: StepState,
+                stored: bool = False) -> torch.Tensor:
         """q: [T, H_q, D], k/v: [T, H_kv, D] before RoPE -> [T, H_q, D]. stored: the projection
         already rotated q, k and wrote k, v where store_target said."""
-        ctx = get_forward_context()
-        step, cm = ctx.step, ctx.cache_manager
+        cm = self.cache_manager
         if not stored:
             q, k = cm.store_kv(self.layer_id, q, k, v, self.rope.cos_sin_cache, step)
         cm.on_kv_stored(self.layer_id, k, v, step)

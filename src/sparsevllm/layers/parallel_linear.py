@@ -102,7 +102,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         (then project and store separately)."""
         return linear_rope_store(x, self.weight, self.bias, row_norm, self.q_size, self.kv_size, head_dim,
                                  target.positions, cos_sin_cache, target.k_cache, target.v_cache,
-                                 target.slot_mapping, target.kmin, target.kmax, target.page_size)
+                                 target.slot_mapping, target.page_min, target.page_max, target.page_size)
 
     def weight_loader(self, param, loaded, shard_id: int):
         n = (self.q_size, self.kv_size, self.kv_size)[shard_id]

@@ -8,6 +8,7 @@ one rank every parallel layer is a plain linear."""
 import torch
 from torch import nn
 
+from sparsevllm.engine.step import StepState
 from sparsevllm.layers.attention import Attention
 from sparsevllm.layers.layernorm import RMSNorm
 from sparsevllm.layers.parallel_linear import (MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear,
@@ -31,11 +32,11 @@ class DecoderAttention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if qk_norm else None
         self.attn = Attention(layer_id, self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5, rope)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, row_norm, residual: torch.Tensor, norm: RMSNorm):
+    def forward(self, x: torch.Tensor, row_norm, residual: torch.Tensor, norm: RMSNorm, step: StepState):
         """-> norm(o_proj(attention) + residual) as RowParallelLinear.add_norm returns it."""
         # Decode: the qkv GEMM may rotate q / k and write the cache in its epilogue (not with q/k
         # norms, which come between the projection and RoPE).
-        target = self.attn.store_target() if self.q_norm is None else None
+        target = self.attn.store_target(step) if self.q_norm is None else None
         qkv = self.qkv_proj.rope_store(x, row_norm, target, self.attn.rope.cos_sin_cache, self.head_dim) \
             if target is not None else None
         stored = qkv is not None
@@ -48,7 +49,7 @@ class DecoderAttention(nn.Module):
         if self.q_norm is not None:
             q = self.q_norm(q.reshape(-1, self.head_dim)).view_as(q)
             k = self.k_norm(k.reshape(-1, self.head_dim)).view_as(k)
-        o = self.attn(q, k, v, stored)   # else RoPE at the step's positions happens there, fused with the cache write
+        o = self.attn(q, k, v, step, stored)   # else RoPE at the step's positions happens there, fused with the cache write
         return self.o_proj.add_norm(o.reshape(-1, self.q_size), residual, norm)
 
 
@@ -70,7 +71,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, positions, x, residual, row_norm, next_norm):
+    def forward(self, x, residual, row_norm, next_norm, step: StepState):
         """x: the embedding (residual None, normed here) or this layer's input already added and
         normed by the layer before's down_proj (RowParallelLinear.add_norm with this layer's
         input_layernorm; with row_norm, all but each row's 1 / rms, which qkv_proj applies).
@@ -78,7 +79,7 @@ class DecoderLayer(nn.Module):
         residual, for the caller to add and norm)."""
         if residual is None:
             residual, x = x, self.input_layernorm(x)
-        x, residual, row_norm = self.self_attn(positions, x, row_norm, residual, self.post_attention_layernorm)
+        x, residual, row_norm = self.self_attn(x, row_norm, residual, self.post_attention_layernorm, step)
         return self.mlp(x, row_norm, residual, next_norm)
 
 
@@ -107,12 +108,14 @@ class LlamaForCausalLM(nn.Module):
                     c.num_key_value_heads * c.head_dim]
         return [c.intermediate_size, c.intermediate_size]
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        x, residual, row_norm = self.embed_tokens(input_ids), None, None
+    def forward(self, step: StepState) -> torch.Tensor:
+        """The hidden states of the step's tokens (step.input_ids at step.positions); the attention
+        layers read and write the KV cache through the step and their cache manager."""
+        x, residual, row_norm = self.embed_tokens(step.input_ids), None, None
         for i, layer in enumerate(self.layers):
             last = i + 1 == len(self.layers)
-            x, residual, row_norm = layer(positions, x, residual, row_norm,
-                                          None if last else self.layers[i + 1].input_layernorm)
+            x, residual, row_norm = layer(x, residual, row_norm, None if last else self.layers[i + 1].input_layernorm,
+                                          step)
         x, _ = self.norm(x, residual)
         return x
 

@@ -33,7 +33,7 @@ import time
 import torch
 from tqdm.auto import tqdm
 
-from sparsevllm.deltakv_compressor import TYPES, DeltaKVCompressor, load, make_config, validate_config
+from sparsevllm.engine.cache_manager.deltakv.compressor import TYPES, DeltaKVCompressor, load, make_config, validate_config
 
 logger = logging.getLogger(__name__)
 

@@ -3,9 +3,11 @@
 Who calls what, and when (`LLMEngine.step` shows the whole lifecycle in one place):
 - the scheduler asks `chunk_size`, `can_admit`, `allocate`, `reserve` and `free`; it never reads KV;
 - the engine asks `request_error` when a request arrives (capacity a method owns, e.g. host memory);
-- the engine calls, once per step: `prepare_step` (host arrays -> StepState), the forward, then
-  `on_step_end` (eviction / compaction after the forward), then `commit` for every request of the
-  step (counters advance, full raw pages are named for the prefix cache);
+- once per step: the model runner builds the step's generic inputs (`ModelRunner.prepare_step`, from
+  the requests' counters and `tables`) and calls `on_step_begin` (the method's extras and per-step
+  state); the engine runs the forward, then `on_step_end` (eviction / compaction after the forward),
+  then `commit` for every request of the step (counters advance, full raw pages are named for the
+  prefix cache). Per-step state lives on the step (`step.extras`, `step.scratch`), never here;
 - inside the forward the generic Attention calls, per layer: `store_kv` (RoPE + the write into the
   cache; on decode steps the model's qkv projection may do it instead, where `store_target` names
   the cache), `on_kv_stored`, then `observe_prefill_queries` + `prefill_view` (prefill) or
@@ -18,7 +20,7 @@ tensor work only (no host syncs): decode steps are captured into CUDA graphs.
 
 Under tensor parallelism (engine/tensor_parallel.py) every rank has its own cache manager over its
 KV heads; rank 0's scheduler-facing calls (`allocate`, `reserve`, `free`, `commit`) are replayed on
-the other ranks before each step, and every rank runs `prepare_step`, the forward and `on_step_end`.
+the other ranks before each step, and every rank builds the step, runs the forward and `on_step_end`.
 Host decisions must therefore follow from counters, refcounts and token ids alone (then they agree);
 a selection shared by all heads combines scores across ranks (`distributed.combine_shared_scores`).
 
@@ -34,7 +36,6 @@ import torch
 from sparsevllm.config import EngineConfig, MethodConfig
 from sparsevllm.engine.kv_pool import KVPool, PageAllocator, PageTables
 from sparsevllm.engine.sequence import Sequence
-from sparsevllm.engine.staging import HostStaging
 from sparsevllm.engine.step import DecodeView, PrefillView, StepState, StoreTarget
 from sparsevllm.kernels.rope_store import rope_store
 from sparsevllm.models.config import ModelConfig
@@ -57,18 +58,28 @@ class CacheManager:
     capabilities: Capabilities = Capabilities()
     method_name: str = "base"                # the registry name, set by each method
 
-    def __init__(self, config: EngineConfig, num_layers: int, num_kv_heads: int, head_dim: int,
-                 num_pages: int, dtype: torch.dtype, device: torch.device):
-        self.config = config
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, num_kv_heads: int, num_pages: int,
+                 dtype: torch.dtype, device: torch.device):
+        """num_kv_heads: this rank's KV heads; num_pages: the pool's size in pages of bytes_per_page."""
+        self.config, self.model_config = config, model_config
         self.method_config = config.method_config
         self.page_size = config.page_size
-        self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
-        self.device = device
-        self.pool = KVPool(num_layers, num_pages, self.page_size, num_kv_heads, head_dim, dtype, device)
+        self.num_layers, self.head_dim = model_config.num_hidden_layers, model_config.head_dim
+        self.num_kv_heads = num_kv_heads
+        self.dtype, self.device = dtype, device
+        num_pages = self.allocate_storage(num_pages)
         self.allocator = PageAllocator(num_pages)
         self.tables = PageTables(self.allocator, self.page_size, self.pages_for(config.max_model_len) + 1,
                                  config.enable_prefix_caching and self.capabilities.prefix_cache)
-        self.staging = HostStaging(torch.device(device))
+
+    def allocate_storage(self, num_pages: int) -> int:
+        """Allocate the method's KV storage from a budget of num_pages x bytes_per_page bytes and
+        return how many pages its paged pool `self.pool` has (the allocator's and the block tables'
+        pages). A method with metadata per page adds it here; one that owns its layout (DeltaKV)
+        builds it here. Dense: every layer raw, num_pages pages."""
+        self.pool = KVPool(self.num_layers, num_pages, self.page_size, self.num_kv_heads, self.head_dim, self.dtype,
+                           self.device)
+        return num_pages
 
     # ---- sizing -----------------------------------------------------------------------------
     @classmethod
@@ -183,59 +194,20 @@ class CacheManager:
                 "metadata_bytes": 0}
 
     # ---- per step (engine-facing) -------------------------------------------------------------
-    def prepare_step(self, seqs: list[Sequence], num_tokens: list[int], is_prefill: bool,
-                     feed_rows: list[int] | None = None) -> StepState:
-        """Build the step's inputs. The last token of a request that has all its known tokens
-        computed after this step is sampled. feed_rows[i] >= 0 names the row of the previous step's
-        sampled tokens that holds request i's input token (overlapped decode)."""
-        P, B, T = self.page_size, len(seqs), sum(num_tokens)
-        width = max(len(self.tables[s.seq_id]) for s in seqs)
-        sampled = [i for i, (s, n) in enumerate(zip(seqs, num_tokens)) if s.num_computed_tokens + n == len(s)]
-        # Prompt positions whose logits a request wants (prompt_logprobs): each predicts the next
-        # prompt token, so the last prompt position (it predicts the first output) is not one.
-        prompt_rows = [(i, s.num_computed_tokens, min(n, s.num_prompt_tokens - 1 - s.num_computed_tokens))
-                       for i, (s, n) in enumerate(zip(seqs, num_tokens))
-                       if s.params.prompt_logprobs is not None and s.num_computed_tokens < s.num_prompt_tokens - 1]
-        S = sum(count for _, _, count in prompt_rows) + len(sampled)
-        F = B if feed_rows is not None else 0
-        # Every integer input of the step goes into one (pinned) host buffer and crosses to the
-        # device in one copy, already in the dtypes the kernels take: per-tensor copies and casts
-        # cost more than the decode step's own host work at small batch.
-        n64, n32 = 3 * T + S + F, B * width + 2 * B + 1       # int64: ids, pos, slots, logits rows, feed
-        raw = self.staging.host(8 * n64 + 4 * n32)
-        i64, i32 = raw[:8 * n64].view(np.int64), raw[8 * n64:].view(np.int32)
-        ids, pos, slots = i64[:T], i64[T:2 * T], i64[2 * T:3 * T]
-        lens, cu, tables = i32[:B], i32[B:2 * B + 1], i32[2 * B + 1:].reshape(B, width)
-        cu[0], off = 0, 0
-        for i, (seq, n) in enumerate(zip(seqs, num_tokens)):
-            start = seq.num_computed_tokens
-            known = seq.token_ids[start:start + n]
-            ids[off:off + len(known)] = known
-            ids[off + len(known):off + n] = 0   # still on the device: fed from feed_rows
-            pos[off:off + n] = np.arange(start, start + n)
-            stored = np.arange(seq.cache_len, seq.cache_len + n)
-            arr = self.tables.arrays[seq.seq_id]
-            slots[off:off + n] = arr[stored // P].astype(np.int64) * P + stored % P
-            tables[i] = arr[:width]
-            lens[i] = seq.cache_len + n
-            off += n
-            cu[i + 1] = off
-        rows = cu[1:][sampled] - 1
-        if prompt_rows:
-            rows = np.concatenate([np.arange(cu[i], cu[i] + count) for i, _, count in prompt_rows] + [rows])
-        i64[3 * T:3 * T + S] = rows
-        if F:
-            i64[3 * T + S:] = feed_rows
-        has_prefix = bool((lens != np.asarray(num_tokens)).any())
-        dev = self.staging.upload(raw)
-        d64, d32 = dev[:8 * n64].view(torch.int64), dev[8 * n64:].view(torch.int32)
-        return StepState(
-            is_prefill=is_prefill, seqs=seqs, num_tokens=list(num_tokens), sampled=sampled,
-            input_ids=d64[:T], positions=d64[T:2 * T], slot_mapping=d64[2 * T:3 * T],
-            block_tables=d32[2 * B + 1:].view(B, width), cache_lens=d32[:B], cu_seqlens_q=d32[B:2 * B + 1],
-            max_seqlen_q=max(num_tokens), has_prefix=has_prefix, logits_indices=d64[3 * T:3 * T + S],
-            prompt_logprob_rows=prompt_rows,
-            feed_rows=d64[3 * T + S:] if F else None)
+    def on_step_begin(self, step: StepState) -> None:
+        """The step's generic inputs are built (host counters not yet advanced: `seq.cache_len` is
+        where this step's tokens start): add the method's per-step tensors to `step.extras` (decode
+        ones also declared in `graph_extras`) and its per-step state to `step.scratch`. Host work
+        only, or tensor work queued before the forward; never a device sync. Dense: nothing."""
+
+    def last_slots(self, seq: Sequence, num_new_tokens: int) -> tuple[np.ndarray, np.ndarray]:
+        """The pages (logical indices) this step's num_new_tokens tokens of seq are stored into, and
+        per page the slot of the last of them there: a method that keeps per-page metadata
+        recomputes each such page from it (a prefill chunk writes many tokens into one page)."""
+        P, start, end = self.page_size, seq.cache_len, seq.cache_len + num_new_tokens
+        pages = np.arange(start // P, (end - 1) // P + 1)
+        last = np.minimum((pages + 1) * P, end) - 1
+        return pages, self.tables.arrays[seq.seq_id][pages].astype(np.int64) * P + last % P
 
     def graph_extras(self, max_batch_size: int) -> dict[str, torch.Tensor]:
         """Static buffers for the method's StepState.extras (first dim = batch), used by CUDA graphs."""

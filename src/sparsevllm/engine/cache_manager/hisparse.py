@@ -38,7 +38,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from sparsevllm.config import EngineConfig, MethodConfig
+from sparsevllm.config import EngineConfig, MethodConfig, is_int, is_number
 from sparsevllm.engine.cache_manager.base import Capabilities, CacheManager
 from sparsevllm.engine.host_pool import GiB, HostPool, check_host_memory
 from sparsevllm.engine.sequence import Sequence
@@ -58,12 +58,7 @@ class HiSparseConfig(MethodConfig):
     hisparse_host_memory_gb: float = 8.0     # pinned host pool
 
     def validate(self, engine: EngineConfig) -> None:
-        def need(ok, knob, valid):
-            if not ok:
-                raise ValueError(f"{knob}={getattr(self, knob)!r} is invalid; valid: {valid}")
-
-        def is_int(x):
-            return isinstance(x, int) and not isinstance(x, bool)
+        need = self.need
         P = engine.page_size if is_int(engine.page_size) and engine.page_size >= 1 else 1
         need(is_int(self.hisparse_token_budget) and self.hisparse_token_budget >= P, "hisparse_token_budget",
              f"an integer >= page_size ({P})")
@@ -76,7 +71,7 @@ class HiSparseConfig(MethodConfig):
         need(d is None or (is_int(d) and d >= view), "hisparse_device_pages",
              f"None or an integer >= top-k pages + recent pages + 1 ({view})")
         gb = self.hisparse_host_memory_gb
-        need(isinstance(gb, (int, float)) and not isinstance(gb, bool) and gb > 0, "hisparse_host_memory_gb",
+        need(is_number(gb) and gb > 0, "hisparse_host_memory_gb",
              "a positive number of GiB")
         check_host_memory("hisparse_host_memory_gb", gb)
 
@@ -95,10 +90,11 @@ class HiSparseCacheManager(CacheManager):
     # bounds summed across ranks (combine_shared_scores) and a host pool per rank; untested.
     capabilities = Capabilities(cuda_graph=True, prefix_cache=False, tensor_parallel=False)
 
-    def __init__(self, config: EngineConfig, num_layers: int, num_kv_heads: int, head_dim: int,
-                 num_pages: int, dtype: torch.dtype, device: torch.device):
-        super().__init__(config, num_layers, num_kv_heads, head_dim, num_pages, dtype, device)
-        knobs, P = self.method_config, self.page_size
+    def __init__(self, *args):
+        super().__init__(*args)
+        config, knobs, P = self.config, self.method_config, self.page_size
+        num_layers, num_kv_heads, head_dim = self.num_layers, self.num_kv_heads, self.head_dim
+        num_pages, dtype, device = self.num_pages, self.dtype, self.device
         self.view_pages = knobs.view_pages(P)
         self.recent_pages = knobs.hisparse_recent_pages
         self.device_pages = knobs.device_pages(P)
@@ -302,12 +298,11 @@ class HiSparseCacheManager(CacheManager):
         return acc
 
     # ---- per step --------------------------------------------------------------------------------
-    def prepare_step(self, seqs: list[Sequence], num_tokens: list[int], is_prefill: bool,
-                     feed_rows: list[int] | None = None) -> StepState:
-        step = super().prepare_step(seqs, num_tokens, is_prefill, feed_rows)
-        if is_prefill:
-            self._prefill_extras(step, seqs, num_tokens)
-            return step
+    def on_step_begin(self, step: StepState) -> None:
+        seqs = step.seqs
+        if step.is_prefill:
+            self._prefill_extras(step)
+            return
         if self.copies_pending:   # prompt pages reach the host before any decode step swaps or evicts
             torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
             self.copies_pending = False
@@ -320,21 +315,18 @@ class HiSparseCacheManager(CacheManager):
             self.decode_steps += 1
         step.extras["hisparse_rows"] = to_device(rows, self.device)
         step.extras["hisparse_clock"] = to_device([self.clock] * len(seqs), self.device, torch.int32)
-        return step
 
-    def _prefill_extras(self, step: StepState, seqs: list[Sequence], num_tokens: list[int]) -> None:
-        P, T = self.page_size, sum(num_tokens)
+    def _prefill_extras(self, step: StepState) -> None:
+        P, T = self.page_size, sum(step.num_tokens)
         host_slots = np.full(T, -1, dtype=np.int64)
         last_slots, last_host, off = [], [], 0
-        for seq, n in zip(seqs, num_tokens):
+        for seq, n in zip(step.seqs, step.num_tokens):
             if seq.seq_id in self.row_of:
-                start, end = seq.cache_len, seq.cache_len + n
                 hp = self.host_pages_of[seq.seq_id].astype(np.int64)
-                stored = np.arange(start, end)
+                stored = np.arange(seq.cache_len, seq.cache_len + n)
                 host_slots[off:off + n] = hp[stored // P] * P + stored % P
-                pages = np.arange(start // P, (end - 1) // P + 1)
-                last_pos = np.minimum((pages + 1) * P, end) - 1
-                last_slots.append(self.tables.arrays[seq.seq_id][pages].astype(np.int64) * P + last_pos % P)
+                pages, slots = self.last_slots(seq, n)
+                last_slots.append(slots)
                 last_host.append(hp[pages])
             off += n
         if last_slots:

@@ -17,7 +17,7 @@ a decode view with page size 1 and G = 1, positions in logical order (all below 
 Prefill is dense everywhere; nothing is evicted, so prefix caching and chunked prefill work as for
 vanilla, except that only prompt pages are shared (a generated token's KV comes from the sparse
 decode, not what a miss would prefill: `dense_decode=False`). The selection is handed from a
-filter layer to its sparse layers through the SparseController (put/get), within the step.
+filter layer to its sparse layers through the step (`cross_layer.py`).
 
 Defaults per model depth L: the paper's filter layers 2, 8, 18 on 32 layers, scaled to round(f * L
 / 32) (SmolLM2's 30 layers: 2, 8, 17); `python -m sparsevllm.tools.omnikv_calibrate` picks them
@@ -39,13 +39,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from sparsevllm.config import EngineConfig, MethodConfig
+from sparsevllm.config import EngineConfig, MethodConfig, is_int
 from sparsevllm.distributed import combine_shared_scores
 from sparsevllm.engine.cache_manager.base import CacheManager, Capabilities
-from sparsevllm.engine.sequence import Sequence
+from sparsevllm.engine.cache_manager.cross_layer import layer_roles, scored_view, selection
 from sparsevllm.engine.staging import to_device
 from sparsevllm.engine.step import DecodeView, StepState
-from sparsevllm.forward_context import get_forward_context
 from sparsevllm.kernels.omnikv import SELECTORS, omnikv_scores, select_tokens
 from sparsevllm.models.config import ModelConfig
 
@@ -55,21 +54,6 @@ PAPER_FILTER_LAYERS, PAPER_DEPTH = (2, 8, 18), 32
 def default_filter_layers(num_layers: int) -> list[int]:
     """The paper's 2, 8, 18 on 32 layers, scaled to the model's depth."""
     return sorted({min(num_layers - 1, round(f * num_layers / PAPER_DEPTH)) for f in PAPER_FILTER_LAYERS})
-
-
-def layer_roles(num_layers: int, filter_layers: list[int], wait: int) -> list[tuple[str, int | None]]:
-    """Per layer ("dense", None) | ("filter", None) | ("sparse", the filter layer it follows)."""
-    roles, last, since = [], None, 0
-    for layer in range(num_layers):
-        if layer in filter_layers:
-            roles.append(("filter", None))
-            last, since = layer, 0
-        elif last is None or since < wait:
-            roles.append(("dense", None))
-            since += 1
-        else:
-            roles.append(("sparse", last))
-    return roles
 
 
 @dataclass
@@ -82,22 +66,16 @@ class OmniKVConfig(MethodConfig):
     def validate(self, engine: EngineConfig) -> None:
         f = self.omnikv_filter_layers
         if f is not None:
-            ok = isinstance(f, (list, tuple)) and len(f) > 0 and all(
-                isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in f)
-            if not ok or list(f) != sorted(set(f)):
-                raise ValueError(f"omnikv_filter_layers={f!r} is invalid; valid: None (the paper's 2, 8, 18 scaled "
-                                 "to the model's depth) or a non-empty, strictly increasing list of layer ids >= 0")
+            self.need(isinstance(f, (list, tuple)) and len(f) > 0 and all(is_int(x) and x >= 0 for x in f)
+                      and list(f) == sorted(set(f)), "omnikv_filter_layers", "None (the paper's 2, 8, 18 scaled to "
+                      "the model's depth) or a non-empty, strictly increasing list of layer ids >= 0")
             self.omnikv_filter_layers = list(f)
-        w = self.omnikv_wait_layers
-        if not isinstance(w, int) or isinstance(w, bool) or w < 0:
-            raise ValueError(f"omnikv_wait_layers={w!r} is invalid; valid: an integer >= 0")
+        self.need(is_int(self.omnikv_wait_layers) and self.omnikv_wait_layers >= 0, "omnikv_wait_layers",
+                  "an integer >= 0")
         n = self.omnikv_num_selected
-        is_int = isinstance(n, int) and not isinstance(n, bool)
-        if not ((is_int and n >= 1) or (isinstance(n, float) and 0.0 < n <= 1.0)):
-            raise ValueError(f"omnikv_num_selected={n!r} is invalid; valid: an integer >= 1 (tokens) or a "
-                             "fraction in (0, 1] of the prompt length")
-        if self.omnikv_selector not in SELECTORS:
-            raise ValueError(f"omnikv_selector={self.omnikv_selector!r} is invalid; valid: " + " | ".join(SELECTORS))
+        self.need((is_int(n) and n >= 1) or (isinstance(n, float) and 0.0 < n <= 1.0), "omnikv_num_selected",
+                  "an integer >= 1 (tokens) or a fraction in (0, 1] of the prompt length")
+        self.need(self.omnikv_selector in SELECTORS, "omnikv_selector", " | ".join(SELECTORS))
 
     def num_kept(self, prompt_len: int) -> int:
         n = self.omnikv_num_selected
@@ -112,14 +90,13 @@ class OmniKVCacheManager(CacheManager):
     capabilities = Capabilities(tensor_parallel=True, dense_decode=False)
     config_cls = OmniKVConfig
 
-    def __init__(self, config: EngineConfig, num_layers: int, num_kv_heads: int, head_dim: int,
-                 num_pages: int, dtype: torch.dtype, device: torch.device):
-        super().__init__(config, num_layers, num_kv_heads, head_dim, num_pages, dtype, device)
+    def __init__(self, *args):
+        super().__init__(*args)
         knobs = self.method_config
-        self.filter_layers = knobs.omnikv_filter_layers or default_filter_layers(num_layers)
-        self.roles = layer_roles(num_layers, self.filter_layers, knobs.omnikv_wait_layers)
+        self.filter_layers = knobs.omnikv_filter_layers or default_filter_layers(self.num_layers)
+        self.roles = layer_roles(self.num_layers, self.filter_layers, knobs.omnikv_wait_layers)
         self.selector = knobs.omnikv_selector
-        self.scale = head_dim ** -0.5
+        self.scale = self.head_dim ** -0.5
 
     @classmethod
     def validate_model(cls, config: EngineConfig, model_config: ModelConfig) -> None:
@@ -143,16 +120,12 @@ class OmniKVCacheManager(CacheManager):
                     for role, _ in roles)
         return total / num_layers
 
-    def prepare_step(self, seqs: list[Sequence], num_tokens: list[int], is_prefill: bool,
-                     feed_rows: list[int] | None = None) -> StepState:
-        step = super().prepare_step(seqs, num_tokens, is_prefill, feed_rows)
-        if not is_prefill:
-            knobs = self.method_config
-            plens = [s.num_prompt_tokens for s in seqs]
-            both = to_device(np.array([plens, [knobs.num_kept(n) for n in plens]], dtype=np.int32), self.device,
-                             torch.int32)
+    def on_step_begin(self, step: StepState) -> None:
+        if not step.is_prefill:
+            plens = [s.num_prompt_tokens for s in step.seqs]
+            both = to_device(np.array([plens, [self.method_config.num_kept(n) for n in plens]], dtype=np.int32),
+                             self.device, torch.int32)
             step.extras["omnikv_prompt_lens"], step.extras["omnikv_keep"] = both[0], both[1]
-        return step
 
     def graph_extras(self, max_batch_size: int) -> dict[str, torch.Tensor]:
         # Padding rows: a one-token prompt, one token kept.
@@ -163,32 +136,21 @@ class OmniKVCacheManager(CacheManager):
         role, source = self.roles[layer_id]
         if role == "dense":
             return super().build_decode_view(layer_id, q, step)
-        controller = get_forward_context().controller
         if role == "filter":
             view = super().build_decode_view(layer_id, q, step)
-            if self.selector == "last":
-                # The filter layer's own dense attention computes every q . k anyway: it reports the
-                # max over heads per token instead of a scoring pass reading the keys again.
-                view.token_scores = torch.empty(q.shape[0], self.num_kv_heads,
-                                                step.block_tables.shape[1] * self.page_size,
-                                                dtype=torch.float32, device=q.device)
-                scores = view.token_scores              # [B, H_kv, T]: the max over groups comes below
-            else:
-                scores = omnikv_scores(q, self.pool.layer(layer_id)[0], step.block_tables, step.cache_lens,
-                                       step.extras["omnikv_prompt_lens"], self.page_size, self.scale,
-                                       self.selector)
-            controller.put(f"omnikv.{layer_id}", scores)
+            if self.selector == "last":   # scores out of its own dense attention, [B, H_kv, T]
+                return scored_view(view, step, f"omnikv.{layer_id}")
+            step.scratch[f"omnikv.{layer_id}"] = omnikv_scores(
+                q, self.pool.layer(layer_id)[0], step.block_tables, step.cache_lens,
+                step.extras["omnikv_prompt_lens"], self.page_size, self.scale, self.selector)
             return view
-        # The first sparse layer after a filter layer selects (its scores are complete by now);
-        # the others reuse the selection.
-        selection = controller.get(f"omnikv.{source}")
-        if isinstance(selection, torch.Tensor):
-            if selection.dim() == 3:    # the filter attention's per-group maxima: [B, H_kv, T] -> [B, T]
-                selection = selection.amax(dim=1)
-            selection = combine_shared_scores(selection)   # the max over every rank's heads
-            selection = select_tokens(selection, step.extras["omnikv_keep"], step.block_tables, step.cache_lens,
-                                      step.extras["omnikv_prompt_lens"], self.page_size)
-            controller.put(f"omnikv.{source}", selection)
-        table, lengths = selection
+        table, lengths = selection(step, f"omnikv.{source}", lambda scores: self._select(scores, step))
         k_cache, v_cache = self.pool.layer(layer_id)
         return DecodeView(k_cache, v_cache, table, lengths, 1)
+
+    def _select(self, scores: torch.Tensor, step: StepState):
+        if scores.dim() == 3:    # the filter attention's per-group maxima: [B, H_kv, T] -> [B, T]
+            scores = scores.amax(dim=1)
+        scores = combine_shared_scores(scores)   # the max over every rank's heads
+        return select_tokens(scores, step.extras["omnikv_keep"], step.block_tables, step.cache_lens,
+                             step.extras["omnikv_prompt_lens"], self.page_size)

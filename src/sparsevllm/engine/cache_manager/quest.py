@@ -11,9 +11,9 @@ and so do prefill and the first `quest_skip_layers` layers (the paper keeps laye
 their attention is not sparse enough for the bound to pick well). Nothing is evicted: Quest saves
 bandwidth, not memory (the metadata costs 2 / (2 P) = 1/P of the raw KV).
 
-How a sparse decode layer runs: store_kv hands back empty q / k buffers and build_decode_view does
-RoPE, the cache write and the page-bound update inside the page-scoring launch (store_and_score), then
-the selection (select_pages): two launches before the attention instead of three.
+How a sparse decode layer runs: store_kv does RoPE, the cache write and the page-bound update inside
+the page-scoring launch (store_and_score) and leaves the scores on the step; build_decode_view then
+selects (select_pages): two launches before the attention instead of three.
 
 Where we differ from the official code, and why:
 - GQA: the official kernels (written for multi-head models) select a page set per query head.
@@ -42,10 +42,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from sparsevllm.config import EngineConfig, MethodConfig
+from sparsevllm.config import EngineConfig, MethodConfig, is_int
 from sparsevllm.distributed import combine_shared_scores
 from sparsevllm.engine.cache_manager.base import CacheManager, Capabilities
-from sparsevllm.engine.sequence import Sequence
 from sparsevllm.engine.staging import to_device
 from sparsevllm.engine.step import DecodeView, StepState, StoreTarget
 from sparsevllm.kernels.quest import SELECTIONS, page_minmax, quest_scores, select_pages, store_and_score
@@ -67,9 +66,8 @@ class QuestConfig(MethodConfig):
     def validate(self, engine: EngineConfig) -> None:
         p = self.quest_page_size
         if p is not None:
-            if not isinstance(p, int) or isinstance(p, bool) or p < 1 or p & (p - 1):
-                raise ValueError(f"quest_page_size={p!r} is invalid; valid: None (the engine's page_size) "
-                                 "or a power of two >= 1")
+            self.need(is_int(p) and p >= 1 and p & (p - 1) == 0, "quest_page_size",
+                      "None (the engine's page_size) or a power of two >= 1")
             # Quest pages are the engine's KV pages. An engine page_size left at its default follows
             # the method; an explicit different one is a contradiction.
             if engine.page_size == EngineConfig.__dataclass_fields__["page_size"].default:
@@ -77,16 +75,12 @@ class QuestConfig(MethodConfig):
             elif engine.page_size != p:
                 raise ValueError(f"quest_page_size={p} contradicts page_size={engine.page_size}: Quest pages "
                                  "are the KV pages; set one of them, or both to the same value")
-        b = self.quest_token_budget
         page = engine.page_size if isinstance(engine.page_size, int) else 1
-        if not isinstance(b, int) or isinstance(b, bool) or b < page:
-            raise ValueError(f"quest_token_budget={b!r} is invalid; valid: an integer >= page_size ({page})")
-        s = self.quest_skip_layers
-        if not isinstance(s, int) or isinstance(s, bool) or s < 0:
-            raise ValueError(f"quest_skip_layers={s!r} is invalid; valid: an integer >= 0")
-        if self.quest_selection not in SELECTIONS:
-            raise ValueError(f"quest_selection={self.quest_selection!r} is invalid; valid: "
-                             + " | ".join(SELECTIONS))
+        self.need(is_int(self.quest_token_budget) and self.quest_token_budget >= page, "quest_token_budget",
+                  f"an integer >= page_size ({page})")
+        self.need(is_int(self.quest_skip_layers) and self.quest_skip_layers >= 0, "quest_skip_layers",
+                  "an integer >= 0")
+        self.need(self.quest_selection in SELECTIONS, "quest_selection", " | ".join(SELECTIONS))
 
 
 class QuestCacheManager(CacheManager):
@@ -96,9 +90,8 @@ class QuestCacheManager(CacheManager):
     capabilities = Capabilities(tensor_parallel=True, dense_decode=False)
     config_cls = QuestConfig
 
-    def __init__(self, config: EngineConfig, num_layers: int, num_kv_heads: int, head_dim: int,
-                 num_pages: int, dtype: torch.dtype, device: torch.device):
-        super().__init__(config, num_layers, num_kv_heads, head_dim, num_pages, dtype, device)
+    def __init__(self, *args):
+        super().__init__(*args)
         knobs = self.method_config
         self.skip_layers = knobs.quest_skip_layers
         self.budget_pages = max(3, knobs.quest_token_budget // self.page_size)
@@ -106,10 +99,9 @@ class QuestCacheManager(CacheManager):
         # Indexed [layer, physical page, KV head, channel]; min/max of stored values are exact in
         # the model dtype. (A head-major layout, for longer contiguous reads when scoring, was
         # measured on the H200 at 128K x 4: no change, 1.44 ms a step either way.)
-        shape = (num_layers - self.skip_layers, num_pages, num_kv_heads, head_dim)
-        self.kmin = torch.zeros(shape, dtype=dtype, device=device)
-        self.kmax = torch.zeros(shape, dtype=dtype, device=device)
-        self._pending_store = None   # a scoring layer's decode store, from store_kv to build_decode_view
+        shape = (self.num_layers - self.skip_layers, self.num_pages, self.num_kv_heads, self.head_dim)
+        self.kmin = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.kmax = torch.zeros(shape, dtype=self.dtype, device=self.device)
 
     @classmethod
     def validate_model(cls, config: EngineConfig, model_config: ModelConfig) -> None:
@@ -140,22 +132,10 @@ class QuestCacheManager(CacheManager):
         acc["metadata_bytes"] = self.kmin.nbytes + self.kmax.nbytes
         return acc
 
-    def prepare_step(self, seqs: list[Sequence], num_tokens: list[int], is_prefill: bool,
-                     feed_rows: list[int] | None = None) -> StepState:
-        step = super().prepare_step(seqs, num_tokens, is_prefill, feed_rows)
-        if is_prefill:
-            step.extras["quest_last_slots"] = self._last_slots(seqs, num_tokens)
-        return step
-
-    def _last_slots(self, seqs: list[Sequence], num_tokens: list[int]) -> torch.Tensor:
-        """Per page a prefill step writes into, the slot of the last token it writes there."""
-        P, out = self.page_size, []
-        for seq, n in zip(seqs, num_tokens):
-            start, end = seq.cache_len, seq.cache_len + n
-            pages = np.arange(start // P, (end - 1) // P + 1)
-            last_pos = np.minimum((pages + 1) * P, end) - 1
-            out.append(self.tables.arrays[seq.seq_id][pages].astype(np.int64) * P + last_pos % P)
-        return to_device(np.concatenate(out), self.device)
+    def on_step_begin(self, step: StepState) -> None:
+        if step.is_prefill:   # per page the step writes into, the slot of the last token it writes there
+            slots = [self.last_slots(seq, n)[1] for seq, n in zip(step.seqs, step.num_tokens)]
+            step.extras["quest_last_slots"] = to_device(np.concatenate(slots), self.device)
 
     def _scores(self, layer_id: int, step: StepState) -> bool:
         """Whether this decode layer scores pages: a sparse layer whose table is wider than the budget
@@ -168,16 +148,20 @@ class QuestCacheManager(CacheManager):
         if layer_id < self.skip_layers or step.is_prefill:
             return super().store_kv(layer_id, q, k, v, cos_sin_cache, step)
         if FUSED_STORE and self._scores(layer_id, step):
-            # Deferred into the scoring launch (build_decode_view, next in the layer): q and k come
-            # back as the buffers it fills after RoPE; nothing reads them before.
+            # One launch rotates q and k, writes the token, folds its key into its page's bounds and
+            # scores the request's pages with the rotated q; build_decode_view selects from the scores.
+            i = layer_id - self.skip_layers
+            k_cache, v_cache = self.pool.layer(layer_id)
             q_out, k_out = torch.empty_like(q), torch.empty_like(k)
-            self._pending_store = (layer_id, q, k, v, cos_sin_cache, q_out, k_out)
+            step.scratch[f"quest.{layer_id}"] = store_and_score(
+                q, k, v, step.positions, cos_sin_cache, k_cache, v_cache, step.slot_mapping, self.kmin[i],
+                self.kmax[i], step.block_tables, step.cache_lens, self.page_size, self.selection, q_out, k_out)
             return q_out, k_out
         # Decode writes one token per request into a page no other request writes: the write
         # itself folds the new key into its page's min/max (the page's first slot resets them).
         t = self.store_target(layer_id, step)
-        return rope_store(q, k, v, t.positions, cos_sin_cache, t.k_cache, t.v_cache, t.slot_mapping, t.kmin, t.kmax,
-                          t.page_size)
+        return rope_store(q, k, v, t.positions, cos_sin_cache, t.k_cache, t.v_cache, t.slot_mapping, t.page_min,
+                          t.page_max, t.page_size)
 
     def store_target(self, layer_id: int, step: StepState) -> StoreTarget | None:
         """What store_kv writes: dense layers the pool alone; sparse layers also fold the new key into
@@ -188,8 +172,8 @@ class QuestCacheManager(CacheManager):
         if layer_id < self.skip_layers:
             return StoreTarget(k_cache, v_cache, step.slot_mapping, step.positions)
         i = layer_id - self.skip_layers
-        return StoreTarget(k_cache, v_cache, step.slot_mapping, step.positions, self.kmin[i], self.kmax[i],
-                           self.page_size)
+        return StoreTarget(k_cache, v_cache, step.slot_mapping, step.positions, page_min=self.kmin[i],
+                           page_max=self.kmax[i], page_size=self.page_size)
 
     def on_kv_stored(self, layer_id: int, k: torch.Tensor, v: torch.Tensor, step: StepState) -> None:
         if layer_id < self.skip_layers or not step.is_prefill:
@@ -203,19 +187,13 @@ class QuestCacheManager(CacheManager):
         if not self._scores(layer_id, step):
             return super().build_decode_view(layer_id, q, step)
         i = layer_id - self.skip_layers
-        k_cache, v_cache = self.pool.layer(layer_id)
-        pending, self._pending_store = self._pending_store, None
-        if pending is not None:
-            assert pending[0] == layer_id and pending[5] is q, "a deferred store belongs to this layer's query"
-            _, q_raw, k, v, cos_sin_cache, q_out, k_out = pending
-            scores = store_and_score(q_raw, k, v, step.positions, cos_sin_cache, k_cache, v_cache,
-                                     step.slot_mapping, self.kmin[i], self.kmax[i], step.block_tables,
-                                     step.cache_lens, self.page_size, self.selection, q_out, k_out)
-        else:
+        scores = step.scratch.pop(f"quest.{layer_id}", None)   # store_kv's fused launch scored the pages
+        if scores is None:
             scores = quest_scores(q, self.kmin[i], self.kmax[i], step.block_tables, step.cache_lens,
                                   self.page_size, self.selection)
         if self.selection == "shared":
             scores = combine_shared_scores(scores, op="sum")   # the sum over every rank's heads (-inf stays -inf)
         table, lengths = select_pages(scores, step.block_tables, step.cache_lens, self.page_size,
                                       self.budget_pages)
+        k_cache, v_cache = self.pool.layer(layer_id)
         return DecodeView(k_cache, v_cache, table, lengths, self.page_size)

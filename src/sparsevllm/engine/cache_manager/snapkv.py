@@ -50,7 +50,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from sparsevllm.config import EngineConfig, MethodConfig
+from sparsevllm.config import EngineConfig, MethodConfig, is_int
 from sparsevllm.engine.cache_manager.base import CacheManager, Capabilities
 from sparsevllm.engine.sequence import Sequence
 from sparsevllm.engine.staging import to_device
@@ -71,12 +71,7 @@ class SnapKVConfig(MethodConfig):
     snapkv_pooling: str = "max"      # max | avg
 
     def validate(self, engine: EngineConfig) -> None:
-        def need(ok, knob, valid):
-            if not ok:
-                raise ValueError(f"{knob}={getattr(self, knob)!r} is invalid; valid: {valid}")
-
-        def is_int(x):
-            return isinstance(x, int) and not isinstance(x, bool)
+        need = self.need
         need(is_int(self.snapkv_window_size) and self.snapkv_window_size >= 1, "snapkv_window_size",
              "an integer >= 1")
         need(is_int(self.snapkv_capacity) and self.snapkv_capacity > self.snapkv_window_size, "snapkv_capacity",
@@ -109,15 +104,12 @@ class SnapKVCacheManager(CacheManager):
     capabilities = Capabilities(tensor_parallel=True)
     config_cls = SnapKVConfig
 
-    def __init__(self, config: EngineConfig, num_layers: int, num_kv_heads: int, head_dim: int,
-                 num_pages: int, dtype: torch.dtype, device: torch.device):
-        super().__init__(config, num_layers, num_kv_heads, head_dim, num_pages, dtype, device)
+    def __init__(self, *args):
+        super().__init__(*args)
         knobs = self.method_config
         self.capacity, self.window = knobs.snapkv_capacity, knobs.snapkv_window_size
         self.kernel_size, self.pooling = knobs.snapkv_kernel_size, knobs.snapkv_pooling
-        self.scale = head_dim ** -0.5
-        self._pending: list[_Compaction] = []
-        self._pending_step: StepState | None = None
+        self.scale = self.head_dim ** -0.5
         self._compacted_now: set[int] = set()   # compacted by this step's on_step_end, not yet committed
         self._evicted: dict[int, int] = {}      # live request -> tokens it evicted
         self._compacting: dict[int, Sequence] = {}   # requests whose chunk this step ends their prompt
@@ -220,37 +212,33 @@ class SnapKVCacheManager(CacheManager):
         return acc
 
     # ---- per step --------------------------------------------------------------------------------
-    def prepare_step(self, seqs: list[Sequence], num_tokens: list[int], is_prefill: bool,
-                     feed_rows: list[int] | None = None) -> StepState:
-        step = super().prepare_step(seqs, num_tokens, is_prefill, feed_rows)
-        self._pending, self._pending_step = [], step
-        if is_prefill:
-            row_end = 0
-            for i, (seq, n) in enumerate(zip(seqs, num_tokens)):
-                row_end += n
-                start = seq.num_computed_tokens
-                if self._evicts(seq) and start + n == seq.num_prompt_tokens and seq.cache_len == start:
-                    window = min(self.window, n)
-                    if window < self.window:  # chunk_size prevents this; prefix hits are capped too
-                        logger.warning("request %d: only %d of the %d window queries in its last prompt chunk",
-                                       seq.seq_id, window, self.window)
-                    self._pending.append(_Compaction(seq, i, row_end, window))
-        return step
+    def on_step_begin(self, step: StepState) -> None:
+        """The requests whose prompt this prefill step ends: their compaction, filled by every layer's
+        observe_prefill_queries and run by on_step_end."""
+        if not step.is_prefill:
+            return
+        compactions, row_end = [], 0
+        for i, (seq, n) in enumerate(zip(step.seqs, step.num_tokens)):
+            row_end += n
+            start = seq.num_computed_tokens
+            if self._evicts(seq) and start + n == seq.num_prompt_tokens and seq.cache_len == start:
+                window = min(self.window, n)
+                if window < self.window:  # chunk_size prevents this; prefix hits are capped too
+                    logger.warning("request %d: only %d of the %d window queries in its last prompt chunk",
+                                   seq.seq_id, window, self.window)
+                compactions.append(_Compaction(seq, i, row_end, window))
+        step.scratch["snapkv.compactions"] = compactions
 
     def observe_prefill_queries(self, layer_id: int, q: torch.Tensor, step: StepState) -> None:
-        if step is not self._pending_step:
-            return
         k_cache, _ = self.pool.layer(layer_id)
-        for c in self._pending:
+        for c in step.scratch["snapkv.compactions"]:
             scores = window_scores(q[c.row_end - c.window:c.row_end], k_cache, step.block_tables[c.index],
                                    c.seq.num_prompt_tokens, self.page_size, self.scale)
             # Select now rather than at step end: [H_kv, C] indices per layer instead of [H_kv, L] scores.
             c.kept.append(select_kept(scores, c.window, self.capacity, self.kernel_size, self.pooling))
 
     def on_step_end(self, step: StepState) -> None:
-        pending = self._pending if step is self._pending_step else []
-        self._pending, self._pending_step = [], None
-        for c in pending:
+        for c in step.scratch.get("snapkv.compactions", []):
             if len(c.kept) == self.num_layers:
                 self._compact(c.seq, torch.stack(c.kept))
             self._compacting.pop(c.seq.seq_id, None)
