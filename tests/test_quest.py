@@ -179,6 +179,27 @@ def test_quest_selection_equals_oracle_and_is_causal(tiny_model, arch, selection
 
 
 @pytest.mark.skipif(CUDA, reason="interpreter test: runs on CPU-only machines")
+def test_quest_on_kv_stored_sees_the_keys_the_cache_holds(tiny_model, monkeypatch):
+    """The hook contract: when on_kv_stored runs, k is written at the step's slots, also for the
+    scoring layers whose decode store runs inside the page-scoring launch."""
+    from sparsevllm.engine.cache_manager import quest as quest_cm
+    monkeypatch.setattr(quest_cm, "FUSED_STORE", True)
+    seen = []
+    original = quest_cm.QuestCacheManager.on_kv_stored
+
+    def spy(self, layer_id, k, v, step):
+        k_cache, v_cache = self.pool.layer(layer_id)
+        rows = step.slot_mapping >= 0
+        slots = step.slot_mapping[rows]
+        seen.append((step.is_prefill, self._scores(layer_id, step)))
+        assert torch.equal(k_cache[slots], k[rows]) and torch.equal(v_cache[slots], v[rows]), layer_id
+        return original(self, layer_id, k, v, step)
+    monkeypatch.setattr(quest_cm.QuestCacheManager, "on_kv_stored", spy)
+    llm = quest(tiny_model("llama"), page_size=4, quest_token_budget=12, quest_skip_layers=1)
+    llm.generate(prompts([60, 33]), GREEDY, use_tqdm=False)
+    assert (False, True) in seen and (True, False) in seen   # fused decode layers and prefill both checked
+
+
 @pytest.mark.parametrize("arch,selection", [("llama", "kv_head"), ("qwen2", "shared")])
 def test_quest_store_inside_the_scoring_launch_gives_the_separate_stores_tokens(tiny_model, arch, selection,
                                                                                monkeypatch):
@@ -559,8 +580,8 @@ def test_quest_store_in_the_qkv_epilogue_gives_the_separate_stores_tokens(tiny_m
         outs[epilogue] = token_ids(llm.generate(ps, sp, use_tqdm=False))
         assert llm.engine.cache_manager.allocator.is_idle()
     assert outs[True] == outs[False]
-    bounds = [t for t in targets if t is not None and t.kmin is not None]
-    assert any(t is not None and t.kmin is None for t in targets)      # the dense layer 0
+    bounds = [t for t in targets if t is not None and t.page_min is not None]
+    assert any(t is not None and t.page_min is None for t in targets)      # the dense layer 0
     assert bool(bounds) != fused_store                                 # sparse layers: bounds, or the scoring launch
 
 

@@ -173,7 +173,8 @@ def validate(args) -> dict:
         per_method[m] = {k: v for k, v in knobs.items() if owners.get(k, m) == m}
         cfg = make_config(model=None if is_preset else args.model_path, vllm_sparse_method=m, **per_method[m])
         configs[m] = cfg
-        resolved[m] = {**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name != "method_config"},
+        resolved[m] = {**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)
+                          if f.name not in ("method_config", "method")},
                        **dataclasses.asdict(cfg.method_config)}
 
     max_len = knobs.get("max_model_len") or model_cfg.get("max_position_embeddings")
@@ -189,9 +190,9 @@ def validate(args) -> dict:
 
 def _method_roofline_args(plan: dict, method: str):
     """(cache manager class, resolved engine config, ModelConfig) for the roofline classmethods."""
-    from sparsevllm.method_registry import get_method
     from sparsevllm.models.config import ModelConfig
-    return get_method(method), plan["configs"][method], ModelConfig.from_dict(plan["model_config"])
+    cfg = plan["configs"][method]
+    return cfg.method, cfg, ModelConfig.from_dict(plan["model_config"])
 
 
 def kv_read_model(plan: dict, method: str):

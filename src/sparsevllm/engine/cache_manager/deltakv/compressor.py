@@ -18,6 +18,8 @@ import os
 import torch
 from torch import nn
 
+from sparsevllm.config import need
+
 FORMAT = "sparsevllm-deltakv-compressor"
 TYPES = ("linear", "mlp_gelu")
 WEIGHTS, CONFIG = "compressor.safetensors", "compressor.json"
@@ -114,38 +116,47 @@ def make_config(model_config, latent_dim: int = 128, kind: str = "linear", clust
 
 def validate_config(cfg: dict) -> None:
     """ValueError naming the field and its valid range."""
-    def need(ok, field, valid):
-        if not ok:
-            raise ValueError(f"DeltaKV compressor {field}={cfg.get(field)!r} is invalid; valid: {valid}")
-    need(cfg.get("format") == FORMAT, "format", FORMAT)
-    need(isinstance(cfg.get("latent_dim"), int) and cfg["latent_dim"] > 0, "latent_dim", "an integer > 0")
-    need(cfg.get("type") in TYPES, "type", " | ".join(TYPES))
-    need(isinstance(cfg.get("cluster_ratio"), (int, float)) and 0 < cfg["cluster_ratio"] < 1, "cluster_ratio",
-         "a number in (0, 1)")
-    need(isinstance(cfg.get("neighbors"), int) and cfg["neighbors"] >= 1, "neighbors", "an integer >= 1")
-    need(isinstance(cfg.get("sink"), int) and cfg["sink"] >= 1, "sink", "an integer >= 1 (tokens before the first "
-                                                                        "compressed one need an earlier reference)")
+    def check(ok: bool, field: str, valid: str) -> None:
+        need(ok, f"DeltaKV compressor {field}", cfg.get(field), valid)
+    check(cfg.get("format") == FORMAT, "format", FORMAT)
+    check(isinstance(cfg.get("latent_dim"), int) and cfg["latent_dim"] > 0, "latent_dim", "an integer > 0")
+    check(cfg.get("type") in TYPES, "type", " | ".join(TYPES))
+    check(isinstance(cfg.get("cluster_ratio"), (int, float)) and 0 < cfg["cluster_ratio"] < 1, "cluster_ratio",
+          "a number in (0, 1)")
+    check(isinstance(cfg.get("neighbors"), int) and cfg["neighbors"] >= 1, "neighbors", "an integer >= 1")
+    check(isinstance(cfg.get("sink"), int) and cfg["sink"] >= 1, "sink", "an integer >= 1 (tokens before the first "
+                                                                          "compressed one need an earlier reference)")
     n = cfg.get("num_hidden_layers")
-    need(all(isinstance(i, int) and 0 <= i < n for i in cfg.get("full_layers", [])), "full_layers",
-         f"layer ids in [0, {n - 1 if isinstance(n, int) else '?'}]")
+    check(all(isinstance(i, int) and 0 <= i < n for i in cfg.get("full_layers", [])), "full_layers",
+          f"layer ids in [0, {n - 1 if isinstance(n, int) else '?'}]")
 
 
-def load(folder: str, model_config) -> DeltaKVCompressor:
-    """Load and check against the model it will run on; every mismatch is named."""
+def read_config(folder: str, model_config) -> dict:
+    """The compressor.json of a folder, checked, and checked against the model it will run on; every
+    mismatch is named."""
     path = os.path.join(folder, CONFIG)
     if not os.path.isfile(path):
         raise ValueError(f"deltakv_compressor_path={folder!r} holds no {CONFIG}; train one with "
                          "`python -m sparsevllm.tools.train_deltakv --out DIR`")
     with open(path) as f:
         cfg = json.load(f)
-    validate_config(cfg)
+    try:
+        validate_config(cfg)
+    except ValueError as e:
+        raise ValueError(f"deltakv_compressor_path={folder!r}: {e}") from None
     want = {"architecture": model_config.architecture, "num_hidden_layers": model_config.num_hidden_layers,
             "hidden_size": model_config.hidden_size, "num_key_value_heads": model_config.num_key_value_heads,
             "head_dim": model_config.head_dim}
     wrong = [f"{k}: compressor {cfg.get(k)!r}, model {v!r}" for k, v in want.items() if cfg.get(k) != v]
     if wrong:
-        raise ValueError(f"the DeltaKV compressor at {folder!r} was trained for another model shape ("
+        raise ValueError(f"deltakv_compressor_path={folder!r} was trained for another model shape ("
                          + "; ".join(wrong) + ")")
+    return cfg
+
+
+def load(folder: str, model_config) -> DeltaKVCompressor:
+    """Load and check against the model it will run on."""
+    cfg = read_config(folder, model_config)
     from safetensors.torch import load_file
     comp = DeltaKVCompressor(cfg)
     state = {k[len("layers."):]: v for k, v in load_file(os.path.join(folder, WEIGHTS)).items()}

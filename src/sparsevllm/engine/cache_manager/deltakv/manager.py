@@ -1,9 +1,7 @@
 """DeltaKVCacheManager: DeltaKV's storage, admission, per-step inputs and decode views (the package
 docstring says what the method computes; compression.py runs the compression)."""
-import json
 import logging
 import math
-import os
 
 import numpy as np
 import torch
@@ -129,19 +127,7 @@ class DeltaKVCacheManager(Compression, CacheManager):
         if knobs.deltakv_compressor_path is None:
             knobs.deltakv_full_layers = f or dc.default_full_layers(n)
             return
-        with open(os.path.join(knobs.deltakv_compressor_path, dc.CONFIG)) as fh:
-            cfg = json.load(fh)
-        try:
-            dc.validate_config(cfg)
-        except ValueError as e:
-            raise ValueError(f"deltakv_compressor_path={knobs.deltakv_compressor_path!r}: {e}") from None
-        want = {"architecture": model_config.architecture, "num_hidden_layers": n,
-                "hidden_size": model_config.hidden_size, "num_key_value_heads": model_config.num_key_value_heads,
-                "head_dim": model_config.head_dim}
-        wrong = [f"{k}: compressor {cfg.get(k)!r}, model {v!r}" for k, v in want.items() if cfg.get(k) != v]
-        if wrong:
-            raise ValueError(f"deltakv_compressor_path={knobs.deltakv_compressor_path!r} was trained for another "
-                             "model shape (" + "; ".join(wrong) + ")")
+        cfg = dc.read_config(knobs.deltakv_compressor_path, model_config)
         full = f or sorted(set(range(n)) - set(cfg["layers"]))
         missing = sorted(set(range(n)) - set(full) - set(cfg["layers"]))
         if missing or not full or full[0] != 0:
