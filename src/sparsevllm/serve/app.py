@@ -81,14 +81,11 @@ def build_app(llm: AsyncLLM, model_name: str, api_key: str | None = None):
                                             "owned_by": "sparsevllm", "sparse_method": method,
                                             "max_model_len": engine.config.max_model_len}]}
 
-    def sampling(req: CompletionRequest | ChatRequest, logprobs: int | None) -> SamplingParams:
+    def sampling(req: CompletionRequest | ChatRequest, max_tokens: int, logprobs: int | None) -> SamplingParams:
         if req.model is not None and req.model != model_name:
             raise APIError(404, f"model {req.model!r} is not served here; this server serves {model_name!r}",
                            "model", "not_found_error")
-        try:
-            return req.params(logprobs)
-        except ValueError as e:
-            raise APIError(400, str(e)) from None
+        return req.params(max_tokens, logprobs)
 
     async def first_output(gen):
         """The first snapshot; a request the engine refused (prompt too long, ...) is a 400."""
@@ -165,7 +162,7 @@ def build_app(llm: AsyncLLM, model_name: str, api_key: str | None = None):
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
-        params = sampling(req, req.logprobs)
+        params = sampling(req, 16 if req.max_tokens is None else req.max_tokens, req.logprobs)
         prompt = req.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
             if len(prompt) != 1:
@@ -195,14 +192,14 @@ def build_app(llm: AsyncLLM, model_name: str, api_key: str | None = None):
             return {"id": rid, "object": "text_completion", "created": created, "model": model_name,
                     "choices": [{"index": 0, "text": text, "logprobs": lp, "finish_reason": finish}]}
         if req.stream:
-            include = bool((req.stream_options or {}).get("include_usage"))
             echoed = []   # the first chunk carries the echoed prompt
 
             def chunk(text, finish, out, begin=0, usage_only=False):
                 if not usage_only and not echoed:
                     text, _ = echo + text, echoed.append(True)
                 return body(out, text, finish, begin, usage_only)
-            return StreamingResponse(stream(gen, first, chunk, include, params.stop), media_type="text/event-stream")
+            return StreamingResponse(stream(gen, first, chunk, req.include_usage, params.stop),
+                                     media_type="text/event-stream")
         out = await last_output(gen, first, request)
         result = body(out, echo + out.outputs[0].text, out.outputs[0].finish_reason)
         result["usage"] = usage(out)
@@ -212,17 +209,16 @@ def build_app(llm: AsyncLLM, model_name: str, api_key: str | None = None):
     async def chat(req: ChatRequest, request: Request):
         if tokenizer is None or not getattr(tokenizer, "chat_template", None):
             raise APIError(400, "this model's tokenizer has no chat template; use /v1/completions", "messages")
-        if req.max_completion_tokens is not None:
-            req.max_tokens = req.max_completion_tokens
         k = (req.top_logprobs or 0) if req.logprobs else None
         try:
             text = tokenizer.apply_chat_template(req.messages, add_generation_prompt=True, tokenize=False)
         except Exception as e:  # noqa: BLE001 - a malformed conversation is the client's error
             raise APIError(400, f"messages: {e}", "messages") from None
         prompt = tokenizer.encode(text, add_special_tokens=False)
-        if req.max_tokens is None:   # OpenAI's and vLLM's chat default: the rest of the context, not 16
-            req.max_tokens = max(1, engine.config.max_model_len - len(prompt))
-        params = sampling(req, k)
+        max_tokens = req.max_tokens if req.max_completion_tokens is None else req.max_completion_tokens
+        if max_tokens is None:   # OpenAI's and vLLM's chat default: the rest of the context, not 16
+            max_tokens = max(1, engine.config.max_model_len - len(prompt))
+        params = sampling(req, max_tokens, k)
         gen = llm.generate(prompt, params)
         first = await first_output(gen)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
@@ -239,8 +235,8 @@ def build_app(llm: AsyncLLM, model_name: str, api_key: str | None = None):
             lp = chat_logprobs(out, k, begin) if req.logprobs else None
             return {**base, "choices": [{"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish}]}
         if req.stream:
-            include = bool((req.stream_options or {}).get("include_usage"))
-            return StreamingResponse(stream(gen, first, chunk, include, params.stop), media_type="text/event-stream")
+            return StreamingResponse(stream(gen, first, chunk, req.include_usage, params.stop),
+                                     media_type="text/event-stream")
         out = await last_output(gen, first, request)
         choice = {"index": 0, "message": {"role": "assistant", "content": out.outputs[0].text},
                   "logprobs": chat_logprobs(out, k) if req.logprobs else None,
