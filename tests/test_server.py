@@ -168,11 +168,12 @@ def test_bad_requests_get_a_4xx_and_the_server_stays_up(server, body, status, me
     assert idle(engine)
 
 
-def test_a_wrong_api_key_is_a_401(server):
+def test_a_wrong_api_key_is_a_401_and_health_and_metrics_need_none(server):
     url, _ = server
     with pytest.raises(openai.AuthenticationError):
         client(url, key="wrong").completions.create(model="smollm2", prompt="hi", max_tokens=2)
-    assert http("GET", url + "/health")[0] == 200
+    assert http("GET", url + "/v1/models", key=None)[0] == 401
+    assert http("GET", url + "/health", key=None)[0] == 200 and http("GET", url + "/metrics", key=None)[0] == 200
 
 
 def test_online_benchmark_reports_latencies_and_throughput(tmp_path):
@@ -291,3 +292,74 @@ def test_echo_of_a_token_id_prompt_and_of_a_stream(tiny_server):
     assert post(url + "/v1/completions", {**ask, "prompt": ids})[1]["choices"][0]["text"] == want
     code, text = http("POST", url + "/v1/completions", json.dumps({**ask, "stream": True}), key=None)
     assert code == 200 and "".join(c["choices"][0]["text"] for c in sse_events(text)) == want
+
+
+# (field, value) pairs of the fields the server hands to SamplingParams: a string is not a number,
+# a float not an integer, a bool neither, a JSON integer is a number; values out of range too
+SAMPLING_VALUES = [
+    ("temperature", "0.5"), ("temperature", True), ("temperature", 0), ("temperature", 0.5), ("temperature", -1),
+    ("top_p", "1"), ("top_p", 1), ("top_p", 0),
+    ("top_k", "2"), ("top_k", 2.0), ("top_k", True), ("top_k", 2),
+    ("max_tokens", "2"), ("max_tokens", 2.0), ("max_tokens", True), ("max_tokens", 0),
+    ("min_tokens", "1"), ("min_tokens", 1.0), ("min_tokens", 1),
+    ("ignore_eos", "true"), ("ignore_eos", 1), ("ignore_eos", True),
+    ("seed", "3"), ("seed", 3.0), ("seed", True), ("seed", 3), ("seed", 2**70),
+    ("stop", 5), ("stop", ["a", 5]), ("stop", ""), ("stop", ["x"]),
+    ("stop_token_ids", ["2"]), ("stop_token_ids", [2.0]), ("stop_token_ids", [True]), ("stop_token_ids", [2]),
+    ("logprobs", "1"), ("logprobs", 1.0), ("logprobs", True), ("logprobs", 1),
+    ("presence_penalty", "0"), ("presence_penalty", False), ("presence_penalty", 1), ("presence_penalty", 3),
+    ("frequency_penalty", "0.1"), ("frequency_penalty", -0.5),
+    ("repetition_penalty", "1.0"), ("repetition_penalty", True), ("repetition_penalty", 2),
+    ("n", "1"), ("n", 1.0), ("n", True), ("n", 1),
+]
+
+
+@pytest.mark.parametrize("field,value", SAMPLING_VALUES, ids=[f"{f}={v!r}" for f, v in SAMPLING_VALUES])
+def test_the_server_refuses_a_sampling_field_exactly_when_sampling_params_does(tiny_server, field, value):
+    url, _ = tiny_server
+    ask = {"max_tokens": 1, field: value}
+    try:
+        SamplingParams(**ask)
+        refused = False
+    except (TypeError, ValueError):
+        refused = True
+    code, body = post(url + "/v1/completions", {"prompt": "hi", **ask})
+    if refused:
+        assert code == 400 and body["error"]["param"] == field, body
+    else:
+        assert code == 200, body
+
+
+@pytest.mark.parametrize("endpoint,field,value,param", [
+    ("completions", "prompt", 5, "prompt"),
+    ("completions", "echo", 1, "echo"),
+    ("completions", "stream", "false", "stream"),
+    ("completions", "model", 3, "model"),
+    ("completions", "user", 7, "user"),
+    ("completions", "stream_options", {"include_usage": "yes"}, "stream_options"),
+    ("completions", "n", 2, "n"),
+    ("chat/completions", "messages", "hello", "messages"),
+    ("chat/completions", "logprobs", "true", "logprobs"),
+    ("chat/completions", "top_logprobs", 1.5, "top_logprobs"),
+    ("chat/completions", "max_completion_tokens", "8", "max_completion_tokens"),
+    # values SamplingParams refuses, named by the request field they came from
+    ("chat/completions", "max_completion_tokens", 0, "max_completion_tokens"),
+    ("chat/completions", "top_logprobs", -1, "top_logprobs"),
+], ids=lambda x: x if isinstance(x, str) else None)
+def test_a_wrong_server_field_is_a_400_naming_it(tiny_server, endpoint, field, value, param):
+    url, _ = tiny_server
+    ask = {"prompt": "hi"} if endpoint == "completions" else {"messages": [{"role": "user", "content": "hi"}],
+                                                              "logprobs": True}
+    code, body = post(f"{url}/v1/{endpoint}", {**ask, "max_tokens": 1, field: value})
+    assert code == 400 and body["error"]["param"] == param, body
+
+
+@pytest.mark.parametrize("body,message", [
+    ('{"prompt": "hi", "max_tokens": 1', "request body is not valid JSON"),
+    ("[1, 2]", "request body: Input should be a valid dictionary"),
+], ids=["malformed_json", "not_an_object"])
+def test_a_body_that_is_not_a_json_object_is_a_400_naming_no_field(tiny_server, body, message):
+    url, _ = tiny_server
+    code, text = http("POST", url + "/v1/completions", body, key=None)
+    error = json.loads(text)["error"]
+    assert code == 400 and error["message"].startswith(message) and error["param"] is None, text

@@ -1,117 +1,24 @@
-"""python -m sparsevllm.serve: an OpenAI-compatible server (FastAPI + uvicorn, the `server` extra).
+"""The server's routes: build_app(AsyncLLM, model name, API key) is the FastAPI app.
 
-    python -m sparsevllm.serve [--model DIR] [--sparse-method NAME] [--host H] [--port P]
-        [--api-key KEY] [--hyper-params JSON] [--<knob> VALUE ...]
-
-One server, one model and one sparse method (`/v1/models` names both). Endpoints:
 /v1/completions and /v1/chat/completions (streaming over SSE or not), /v1/models, /health and
-/metrics (Prometheus text). Requests join the running batch as they arrive; a client that
-disconnects frees its KV at once; a bad request gets a 4xx error in OpenAI's shape and the server
-goes on.
+/metrics. Requests join the running batch as they arrive; a client that disconnects frees its KV at
+once; a bad request gets a 4xx error in OpenAI's shape and the server goes on.
 """
-import argparse
 import json
-import os
-import sys
 import time
 import uuid
 
 from sparsevllm.engine.async_engine import AsyncLLM
 from sparsevllm.sampling_params import SamplingParams
+from sparsevllm.serve.metrics import prometheus
+from sparsevllm.serve.schema import APIError, ChatRequest, CompletionRequest, error_response, invalid_request
 
 try:
     from fastapi import FastAPI, Request
     from fastapi.exceptions import RequestValidationError
-    from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
-    from pydantic import BaseModel, ConfigDict
-except ImportError:   # the module still imports (for --help and a clear error) without the extra
+    from fastapi.responses import PlainTextResponse, StreamingResponse
+except ImportError:   # the package still imports (for --help and a clear error) without the extra
     FastAPI = None
-    BaseModel, ConfigDict = object, dict
-
-
-
-class _Sampling(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    model: str | None = None
-    max_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    n: int = 1
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool = False
-    min_tokens: int = 0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    stream: bool = False
-    stream_options: dict | None = None
-    user: str | None = None
-
-    def params(self, logprobs: int | None) -> SamplingParams:
-        if self.n != 1:
-            raise ValueError("n must be 1: this server returns one choice per request")
-        return SamplingParams(
-            temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-            max_tokens=16 if self.max_tokens is None else self.max_tokens, min_tokens=self.min_tokens,
-            seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
-            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-            repetition_penalty=self.repetition_penalty, logprobs=logprobs)
-
-
-class CompletionRequest(_Sampling):
-    prompt: str | list[int] | list[str]
-    logprobs: int | None = None
-    echo: bool = False
-
-
-class ChatRequest(_Sampling):
-    messages: list[dict]
-    max_completion_tokens: int | None = None
-    logprobs: bool = False
-    top_logprobs: int | None = None
-
-
-class APIError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error"):
-        super().__init__(message)
-        self.status, self.message, self.param, self.kind = status, message, param, kind
-
-
-def error_response(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error"):
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": None}}, status)
-
-
-def prometheus(llm: AsyncLLM, model: str) -> str:
-    eng, st = llm.engine, llm.stats
-    cm = eng.cache_manager
-    lines = []
-
-    def metric(name, kind, help_, value):
-        lines.extend([f"# HELP {name} {help_}", f"# TYPE {name} {kind}", f'{name}{{model="{model}"}} {value}'])
-
-    def histogram(name, help_, h):
-        lines.extend([f"# HELP {name} {help_}", f"# TYPE {name} histogram"])
-        for le, n in zip(h.bounds, h.counts):
-            lines.append(f'{name}_bucket{{model="{model}",le="{le}"}} {n}')
-        lines.append(f'{name}_bucket{{model="{model}",le="+Inf"}} {h.count}')
-        lines.append(f'{name}_sum{{model="{model}"}} {h.sum}')
-        lines.append(f'{name}_count{{model="{model}"}} {h.count}')
-
-    metric("sparsevllm_num_requests_running", "gauge", "requests in the running batch", len(eng.scheduler.running))
-    metric("sparsevllm_num_requests_waiting", "gauge", "requests waiting for admission", len(eng.scheduler.waiting))
-    metric("sparsevllm_kv_pages_used", "gauge", "KV pages referenced", cm.num_pages - cm.allocator.num_free)
-    metric("sparsevllm_kv_pages_total", "gauge", "KV pages in the pool", cm.num_pages)
-    metric("sparsevllm_prompt_tokens_total", "counter", "prompt tokens received", st.prompt_tokens)
-    metric("sparsevllm_generation_tokens_total", "counter", "tokens generated", st.generation_tokens)
-    metric("sparsevllm_requests_finished_total", "counter", "requests finished", st.requests_finished)
-    metric("sparsevllm_generation_tokens_per_second", "gauge", "tokens generated per second since start",
-           st.generation_tokens / max(time.time() - st.started, 1e-9))
-    histogram("sparsevllm_time_to_first_token_seconds", "time to first token", st.ttft)
-    histogram("sparsevllm_inter_token_latency_seconds", "time between consecutive tokens", st.itl)
-    return "\n".join(lines) + "\n"
 
 
 class _ApiKeyCheck:
@@ -129,6 +36,20 @@ class _ApiKeyCheck:
         return await self.app(scope, receive, send)
 
 
+async def last_output(gen, first, request: "Request"):
+    """The finished snapshot of a non-streamed request; if the client disconnects first, the latest
+    one (closing the generator aborts the request and frees its KV at once)."""
+    out = first
+    try:
+        while not out.finished:
+            if await request.is_disconnected():
+                break
+            out = await gen.__anext__()
+    finally:
+        await gen.aclose()
+    return out
+
+
 def build_app(llm: AsyncLLM, model_name: str, api_key: str | None = None):
     if FastAPI is None:
         raise ImportError('the server needs FastAPI and uvicorn: pip install -e ".[server]"')
@@ -137,14 +58,7 @@ def build_app(llm: AsyncLLM, model_name: str, api_key: str | None = None):
     method = engine.config.vllm_sparse_method
     tokenizer = engine.tokenizer
 
-    @app.exception_handler(RequestValidationError)
-    async def invalid(_, exc: RequestValidationError):
-        err = exc.errors()[0] if exc.errors() else {}
-        where = ".".join(str(x) for x in err.get("loc", ()) if x != "body")
-        kind = err.get("type", "")
-        message = ("request body is not valid JSON" if kind == "json_invalid" else
-                   f"unknown field {where!r}" if kind == "extra_forbidden" else f"{where}: {err.get('msg', 'invalid')}")
-        return error_response(400, message, where or None)
+    app.add_exception_handler(RequestValidationError, invalid_request)
 
     @app.exception_handler(APIError)
     async def api_error(_, exc: APIError):
@@ -167,14 +81,11 @@ def build_app(llm: AsyncLLM, model_name: str, api_key: str | None = None):
                                             "owned_by": "sparsevllm", "sparse_method": method,
                                             "max_model_len": engine.config.max_model_len}]}
 
-    def sampling(req: _Sampling, logprobs: int | None) -> SamplingParams:
+    def sampling(req: CompletionRequest | ChatRequest, max_tokens: int, logprobs: int | None) -> SamplingParams:
         if req.model is not None and req.model != model_name:
             raise APIError(404, f"model {req.model!r} is not served here; this server serves {model_name!r}",
                            "model", "not_found_error")
-        try:
-            return req.params(logprobs)
-        except ValueError as e:
-            raise APIError(400, str(e)) from None
+        return req.params(max_tokens, logprobs)
 
     async def first_output(gen):
         """The first snapshot; a request the engine refused (prompt too long, ...) is a 400."""
@@ -251,7 +162,7 @@ def build_app(llm: AsyncLLM, model_name: str, api_key: str | None = None):
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
-        params = sampling(req, req.logprobs)
+        params = sampling(req, 16 if req.max_tokens is None else req.max_tokens, req.logprobs)
         prompt = req.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
             if len(prompt) != 1:
@@ -281,22 +192,15 @@ def build_app(llm: AsyncLLM, model_name: str, api_key: str | None = None):
             return {"id": rid, "object": "text_completion", "created": created, "model": model_name,
                     "choices": [{"index": 0, "text": text, "logprobs": lp, "finish_reason": finish}]}
         if req.stream:
-            include = bool((req.stream_options or {}).get("include_usage"))
             echoed = []   # the first chunk carries the echoed prompt
 
             def chunk(text, finish, out, begin=0, usage_only=False):
                 if not usage_only and not echoed:
                     text, _ = echo + text, echoed.append(True)
                 return body(out, text, finish, begin, usage_only)
-            return StreamingResponse(stream(gen, first, chunk, include, params.stop), media_type="text/event-stream")
-        out = first
-        try:
-            while not out.finished:
-                if await request.is_disconnected():
-                    break
-                out = await gen.__anext__()
-        finally:
-            await gen.aclose()
+            return StreamingResponse(stream(gen, first, chunk, req.include_usage, params.stop),
+                                     media_type="text/event-stream")
+        out = await last_output(gen, first, request)
         result = body(out, echo + out.outputs[0].text, out.outputs[0].finish_reason)
         result["usage"] = usage(out)
         return result
@@ -305,17 +209,16 @@ def build_app(llm: AsyncLLM, model_name: str, api_key: str | None = None):
     async def chat(req: ChatRequest, request: Request):
         if tokenizer is None or not getattr(tokenizer, "chat_template", None):
             raise APIError(400, "this model's tokenizer has no chat template; use /v1/completions", "messages")
-        if req.max_completion_tokens is not None:
-            req.max_tokens = req.max_completion_tokens
         k = (req.top_logprobs or 0) if req.logprobs else None
         try:
             text = tokenizer.apply_chat_template(req.messages, add_generation_prompt=True, tokenize=False)
         except Exception as e:  # noqa: BLE001 - a malformed conversation is the client's error
             raise APIError(400, f"messages: {e}", "messages") from None
         prompt = tokenizer.encode(text, add_special_tokens=False)
-        if req.max_tokens is None:   # OpenAI's and vLLM's chat default: the rest of the context, not 16
-            req.max_tokens = max(1, engine.config.max_model_len - len(prompt))
-        params = sampling(req, k)
+        max_tokens = req.max_tokens if req.max_completion_tokens is None else req.max_completion_tokens
+        if max_tokens is None:   # OpenAI's and vLLM's chat default: the rest of the context, not 16
+            max_tokens = max(1, engine.config.max_model_len - len(prompt))
+        params = sampling(req, max_tokens, k)
         gen = llm.generate(prompt, params)
         first = await first_output(gen)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
@@ -332,16 +235,9 @@ def build_app(llm: AsyncLLM, model_name: str, api_key: str | None = None):
             lp = chat_logprobs(out, k, begin) if req.logprobs else None
             return {**base, "choices": [{"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish}]}
         if req.stream:
-            include = bool((req.stream_options or {}).get("include_usage"))
-            return StreamingResponse(stream(gen, first, chunk, include, params.stop), media_type="text/event-stream")
-        out = first
-        try:
-            while not out.finished:
-                if await request.is_disconnected():
-                    break
-                out = await gen.__anext__()
-        finally:
-            await gen.aclose()
+            return StreamingResponse(stream(gen, first, chunk, req.include_usage, params.stop),
+                                     media_type="text/event-stream")
+        out = await last_output(gen, first, request)
         choice = {"index": 0, "message": {"role": "assistant", "content": out.outputs[0].text},
                   "logprobs": chat_logprobs(out, k) if req.logprobs else None,
                   "finish_reason": out.outputs[0].finish_reason}
@@ -349,74 +245,3 @@ def build_app(llm: AsyncLLM, model_name: str, api_key: str | None = None):
                 "choices": [choice], "usage": usage(out)}
 
     return app
-
-
-def parse_knobs(extra: list[str], hyper_params: str) -> dict:
-    """`--name value` pairs (name with - or _, value as JSON where it parses) and --hyper-params JSON."""
-    try:
-        knobs = json.loads(hyper_params)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"--hyper-params is not valid JSON ({e}): {hyper_params!r}") from None
-    if not isinstance(knobs, dict):
-        raise ValueError(f"--hyper-params must be a JSON object of knob: value, got {hyper_params!r}")
-    i = 0
-    while i < len(extra):
-        name = extra[i]
-        if not name.startswith("--") or i + 1 >= len(extra):
-            raise ValueError(f"knobs are given as --name value pairs; got {' '.join(extra[i:i + 2])!r}")
-        value = extra[i + 1]
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError:
-            pass
-        knobs[name[2:].replace("-", "_")] = value
-        i += 2
-    return knobs
-
-
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m sparsevllm.serve", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=None, help="HF model folder (default: the embedded SmolLM2-135M-Instruct)")
-    ap.add_argument("--served-model-name", default=None, help="the model id clients send (default: the folder name)")
-    ap.add_argument("--sparse-method", default="vanilla", help="the sparse method every request runs")
-    ap.add_argument("--host", default="127.0.0.1", help="(default: 127.0.0.1)")
-    ap.add_argument("--port", type=int, default=8000, help="(default: 8000)")
-    ap.add_argument("--api-key", default=os.environ.get("SPARSEVLLM_API_KEY"),
-                    help="require 'Authorization: Bearer KEY' (default: $SPARSEVLLM_API_KEY, else none)")
-    ap.add_argument("--tensor-parallel-size", type=int, default=1,
-                    help="tensor-parallel ranks, one process and one GPU each (default: 1)")
-    ap.add_argument("--hyper-params", default="{}", help="JSON of engine and method knobs")
-    args, extra = ap.parse_known_args(argv)
-    try:
-        import uvicorn
-
-        from sparsevllm import LLM
-        knobs = parse_knobs(extra, args.hyper_params)
-        if args.tensor_parallel_size != 1:
-            knobs["tensor_parallel_size"] = args.tensor_parallel_size
-        llm = LLM(args.model, vllm_sparse_method=args.sparse_method, **knobs)
-        name = args.served_model_name or (os.path.basename(os.path.normpath(args.model)) if args.model
-                                          else "smollm2-135m")
-        async_llm = AsyncLLM(llm.engine)
-        app = build_app(async_llm, name, args.api_key)
-    except ImportError as e:
-        print(f"error: {e}; install the server extra: pip install -e \".[server]\"", file=sys.stderr)
-        return 2
-    except (ValueError, TypeError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print(f"serving {name} ({args.sparse_method}) on http://{args.host}:{args.port}/v1", file=sys.stderr)
-    # The engine thread and the HTTP event loop share the GIL; at the default 5 ms switch interval
-    # the engine can wait most of a decode step for the loop to let go.
-    sys.setswitchinterval(float(os.environ.get("SPARSEVLLM_SWITCH_INTERVAL", 0.0005)))
-    try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
-    finally:
-        async_llm.shutdown()
-        llm.shutdown()
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,0 +1,5 @@
+import sys
+
+from sparsevllm.serve.cli import main
+
+sys.exit(main())
