@@ -14,7 +14,7 @@ import pytest  # noqa: E402
 
 from sparsevllm import LLM, SamplingParams  # noqa: E402
 from sparsevllm.engine.cache_manager.omnikv import default_filter_layers, layer_roles  # noqa: E402
-from sparsevllm.kernels import omnikv as ok  # noqa: E402
+from sparsevllm.kernels import omnikv as ok, token_select as tsel  # noqa: E402
 from sparsevllm.method_registry import make_config  # noqa: E402
 
 CUDA = torch.cuda.is_available()
@@ -213,7 +213,7 @@ def test_omnikv_scores_triton_matches_reference(selector, P, dtype):
 @interp
 @pytest.mark.parametrize("block", [32, 2048])
 def test_select_tokens_triton_matches_reference_with_ties(block, monkeypatch):
-    monkeypatch.setattr(ok, "SELECT_BLOCK", block)   # 32: many blocks per row
+    monkeypatch.setattr(tsel, "SELECT_BLOCK", block)   # 32: many blocks per row
     g = torch.Generator().manual_seed(block)
     B, P, N = 4, 4, 40
     _, _, table, lengths, prompt = kernel_case(g, B, 2, 1, 8, P, N, torch.float32, "cpu")
@@ -225,8 +225,8 @@ def test_select_tokens_triton_matches_reference_with_ties(block, monkeypatch):
         pos = torch.arange(N * P)
         scores = scores.masked_fill(pos >= torch.minimum(prompt, lengths).long().view(B, 1), float("-inf"))
         keep = torch.minimum(torch.randint(1, 40, (B,), generator=g).int(), prompt)
-        got_t, got_l = ok.select_tokens_triton(scores, keep, table, lengths, prompt, P)
-        want_t, want_l = ok.select_tokens_ref(scores, keep, table, lengths, prompt, P)
+        got_t, got_l = tsel.select_tokens_triton(scores, keep, table, lengths, prompt, P)
+        want_t, want_l = tsel.select_tokens_ref(scores, keep, table, lengths, prompt, P)
         assert torch.equal(got_l, want_l)
         for b in range(B):
             assert torch.equal(got_t[b, 0, :int(want_l[b])], want_t[b, 0, :int(want_l[b])]), (trial, b)
@@ -240,7 +240,7 @@ def test_select_tokens_keeps_the_top_n_prompt_tokens_then_every_generated_token(
         pytest.skip("interpreter case")
     table = torch.arange(4, dtype=torch.int32).view(1, 4)            # page size 4: slot = position
     scores = torch.tensor([[0.5, 2.0, 2.0, -1.0, 3.0, 0.1, 9.0, 9.0, 9.0] + [float("-inf")] * 7])
-    fn = ok.select_tokens_ref if impl == "ref" else ok.select_tokens_triton
+    fn = tsel.select_tokens_ref if impl == "ref" else tsel.select_tokens_triton
     t, n = fn(scores, torch.tensor([3], dtype=torch.int32), table, torch.tensor([9], dtype=torch.int32),
               torch.tensor([6], dtype=torch.int32), 4)
     assert int(n) == 3 + 3 and t[0, 0, :6].tolist() == [1, 2, 4, 6, 7, 8]
@@ -259,8 +259,8 @@ def test_gpu_omnikv_kernels_match_references_bf16(selector):
     assert torch.equal(torch.isinf(got), torch.isinf(want))
     torch.testing.assert_close(got[fin], want[fin], atol=2e-2, rtol=2e-2)
     keep = (prompt.float() * 0.067).ceil().int()
-    got_t, got_l = ok.select_tokens(want, keep, table, lengths, prompt, 16)
-    want_t, want_l = ok.select_tokens_ref(want, keep, table, lengths, prompt, 16)
+    got_t, got_l = tsel.select_tokens(want, keep, table, lengths, prompt, 16)
+    want_t, want_l = tsel.select_tokens_ref(want, keep, table, lengths, prompt, 16)
     assert torch.equal(got_l, want_l)
     for b in range(4):
         assert torch.equal(got_t[b, 0, :int(want_l[b])], want_t[b, 0, :int(want_l[b])])

@@ -87,8 +87,8 @@ from sparsevllm.engine.staging import HostStaging, to_device
 from sparsevllm.engine.step import DecodeView, PrefillView, StepState
 from sparsevllm.forward_context import get_forward_context
 from sparsevllm.kernels.deltakv import compress_block, gather_x, reconstruct, shortlist, up_of
-from sparsevllm.kernels.omnikv import select_tokens
 from sparsevllm.kernels.rope_store import rope_store
+from sparsevllm.kernels.token_select import select_tokens
 from sparsevllm.models.config import ModelConfig
 
 logger = logging.getLogger(__name__)

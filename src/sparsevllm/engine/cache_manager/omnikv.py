@@ -46,7 +46,8 @@ from sparsevllm.engine.sequence import Sequence
 from sparsevllm.engine.staging import to_device
 from sparsevllm.engine.step import DecodeView, StepState
 from sparsevllm.forward_context import get_forward_context
-from sparsevllm.kernels.omnikv import SELECTORS, omnikv_scores, select_tokens
+from sparsevllm.kernels.omnikv import SELECTORS, omnikv_scores
+from sparsevllm.kernels.token_select import select_tokens
 from sparsevllm.models.config import ModelConfig
 
 PAPER_FILTER_LAYERS, PAPER_DEPTH = (2, 8, 18), 32
