@@ -50,8 +50,8 @@ def oracle(q, k_cache, table_row, length, prompt_len, P, keep, scale, selector):
     keys = [k_cache[table_row[j // P] * P + j % P].double() for j in range(length)]
     per_head = [[float(q[h].double() @ keys[j][h // (Hq // Hkv)]) * scale for j in range(length)]
                 for h in range(Hq)]
-    if selector == "softmax_max":
-        per_head = [list(torch.tensor(row).softmax(0)) for row in per_head]
+    if selector == "softmax_max":   # each head's softmax over the prompt's keys (softmax_before_last)
+        per_head = [list(torch.tensor(row[:prompt_len]).softmax(0)) for row in per_head]
     score = [max(float(per_head[h][j]) for h in range(Hq)) for j in range(prompt_len)]
     chosen = sorted(range(prompt_len), key=lambda j: (-score[j], j))[:keep]
     return sorted(chosen) + list(range(prompt_len, length))
@@ -208,6 +208,38 @@ def test_omnikv_scores_triton_matches_reference(selector, P, dtype):
     fin = torch.isfinite(want)
     tol = 1e-5 if dtype == torch.float32 else 2e-3
     torch.testing.assert_close(got[fin], want[fin], atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("impl", ["ref", "triton"])
+def test_softmax_max_normalises_over_the_prompt_keys_only(impl):
+    """softmax_max follows the official softmax_before_last: each head's softmax runs over the
+    prompt's keys only (the official code slices the key cache to the prefill length), then the max
+    over heads. Generated tokens are stored (and weigh heavily here) yet leave the prompt's scores
+    unchanged; the oracle is a plain loop in float64."""
+    if impl == "triton" and CUDA:
+        pytest.skip("interpreter case")
+    g = torch.Generator().manual_seed(7)
+    B, Hq, Hkv, D, P, N = 3, 6, 2, 16, 4, 12
+    q, k_cache, table, _, _ = kernel_case(g, B, Hq, Hkv, D, P, N, torch.float32, "cpu")
+    prompt = torch.tensor([17, 30, 1], dtype=torch.int32)
+    lengths = torch.tensor([25, 48, 9], dtype=torch.int32)       # decode after the prompt: generated tokens
+    slots = table.long().repeat_interleave(P, 1) * P + torch.arange(N * P) % P
+    group = Hq // Hkv
+    for b in range(B):   # generated keys aligned with the query: large logits, if they counted
+        for t in range(int(prompt[b]), int(lengths[b])):
+            k_cache[slots[b, t]] = q[b].view(Hkv, group, D)[:, 0] * 3
+    fn = ok.omnikv_scores_ref if impl == "ref" else ok.omnikv_scores_triton
+    got = fn(q, k_cache, table, lengths, prompt, P, 0.3, "softmax_max")
+    want = torch.full((B, N * P), float("-inf"), dtype=torch.float64)
+    for b in range(B):
+        n = int(prompt[b])
+        keys = k_cache[slots[b, :n]].double()                    # [n, H_kv, D]
+        for h in range(Hq):
+            probs = torch.softmax(keys[:, h // group] @ q[b, h].double() * 0.3, dim=0)
+            want[b, :n] = probs if h == 0 else torch.maximum(want[b, :n], probs)
+    assert torch.equal(torch.isinf(got), torch.isinf(want))
+    fin = torch.isfinite(want)
+    torch.testing.assert_close(got[fin].double(), want[fin], atol=1e-6, rtol=1e-5)
 
 
 @interp

@@ -3,11 +3,12 @@
 omnikv_scores: for request b and every prompt position j (j < prompt_lens[b]), the filter layer's
 score of token j from its current decode query: "last" (OmniKV's default) takes the raw logit
 max over query heads h of q_h . k_j * scale; "softmax_max" takes the max over heads of the softmax
-probability (normalised over every stored token of the request, as that head's attention does).
-Positions at or past the prompt length score -inf: generated tokens are always attended, never
-selected. Keys are read through the block table (P = page_size), so the scores are a [B, N * P]
-row per request whatever the pages are. The top-n selection of these scores is
-kernels/token_select.py's select_tokens.
+probability, each head's softmax normalised over the prompt's keys only (the official
+softmax_before_last slices the key cache to the prefill length before its softmax), so generated
+tokens do not dilute the prompt's probabilities. Positions at or past the prompt length score -inf:
+generated tokens are always attended, never selected. Keys are read through the block table
+(P = page_size), so the scores are a [B, N * P] row per request whatever the pages are. The top-n
+selection of these scores is kernels/token_select.py's select_tokens.
 """
 import torch
 
@@ -30,12 +31,10 @@ def omnikv_scores_ref(q: torch.Tensor, k_cache: torch.Tensor, block_tables: torc
     pos = torch.arange(T, device=q.device)
     keys = k_cache[slots].float().repeat_interleave(Hq // Hkv, dim=2)              # [B, T, H_q, D]
     logits = torch.einsum("bhd,bthd->bht", q.float(), keys) * scale                # [B, H_q, T]
-    if selector == "softmax_max":
-        stored = pos.view(1, 1, T) < cache_lens.long().view(B, 1, 1)
-        logits = logits.masked_fill(~stored, float("-inf")).softmax(dim=-1)
-    scores = logits.amax(dim=1)
-    candidate = pos.view(1, T) < torch.minimum(prompt_lens, cache_lens).long().view(B, 1)
-    return scores.masked_fill(~candidate, float("-inf"))
+    candidate = pos.view(1, 1, T) < torch.minimum(prompt_lens, cache_lens).long().view(B, 1, 1)
+    if selector == "softmax_max":   # each head's softmax over the prompt's keys only
+        logits = logits.masked_fill(~candidate, float("-inf")).softmax(dim=-1)
+    return logits.masked_fill(~candidate, float("-inf")).amax(dim=1)
 
 
 @jit
@@ -46,17 +45,17 @@ def _scores_kernel(q_ptr, k_ptr, table_ptr, len_ptr, plen_ptr, lse_ptr, out_ptr,
                    BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr, MODE: tl.constexpr,
                    UPCAST: tl.constexpr, DOT_PREC: tl.constexpr):
     # MODE 0: raw logits, max over heads ("last"). MODE 1: per-head (max, sum of exp) of this block
-    # over every stored token (softmax_max, first pass). MODE 2: max over heads of exp(logit - lse).
+    # of prompt keys (softmax_max, first pass). MODE 2: max over heads of exp(logit - lse).
     # Logits are kept in the log2 domain (qk_scale includes log2 e); MODE 0 converts back.
+    # Every mode reads the prompt's keys only: softmax_max normalises over them (as the official
+    # softmax_before_last does), and only they are scored.
     b = tl.program_id(0)
     blk = tl.program_id(1)
-    length = tl.load(len_ptr + b)
-    plen = tl.minimum(tl.load(plen_ptr + b), length)
+    plen = tl.minimum(tl.load(plen_ptr + b), tl.load(len_ptr + b))
     toks = blk * BLOCK_T + tl.arange(0, BLOCK_T)
-    limit = length if MODE == 1 else plen
     rows = tl.arange(0, BLOCK_H)
     row_ok = rows < QG
-    if blk * BLOCK_T >= limit:   # past the request: nothing to score
+    if blk * BLOCK_T >= plen:   # past the prompt: nothing to score
         if MODE == 1:
             for kvh in range(HKV):
                 stat = stat_ptr + b * stride_sb + (kvh * QG + rows) * stride_sh + blk * stride_sblk
@@ -65,7 +64,7 @@ def _scores_kernel(q_ptr, k_ptr, table_ptr, len_ptr, plen_ptr, lse_ptr, out_ptr,
         else:
             tl.store(out_ptr + b * stride_ob + toks, tl.full([BLOCK_T], float("-inf"), tl.float32))
         return
-    tok_ok = toks < limit
+    tok_ok = toks < plen
     dims = tl.arange(0, BLOCK_D)
     dim_ok = dims < HEAD_DIM
     page = tl.load(table_ptr + b * stride_tb + toks // P, mask=tok_ok, other=0)
@@ -125,7 +124,7 @@ def omnikv_scores_triton(q: torch.Tensor, k_cache: torch.Tensor, block_tables: t
         stats = torch.empty(B, Hq, nblk, 2, dtype=torch.float32, device=q.device)
         _scores_kernel[(B, nblk)](q, k_cache, block_tables, cache_lens, prompt_lens, out, out, stats, qk_scale,
                                   *args, stats.stride(0), stats.stride(1), stats.stride(2), MODE=1, **common)
-        # Blocks past a request's length wrote (-inf, 0); merge the rest into one log2-sum-exp per head.
+        # Blocks past a request's prompt wrote (-inf, 0); merge the rest into one log2-sum-exp per head.
         m, l = stats[..., 0], stats[..., 1]
         top = m.amax(dim=-1, keepdim=True)
         top = torch.where(torch.isinf(top), torch.zeros_like(top), top)
