@@ -384,7 +384,7 @@ def test_engine_with_the_triton_kernels_equals_the_references(tiny_model, tmp_pa
     """The decode and prefill paths with every DeltaKV Triton kernel (interpreted on the CPU) give
     the tokens the torch references give: the GPU wiring, short of graphs."""
     from sparsevllm.engine.cache_manager.deltakv import compression, manager
-    from sparsevllm.kernels import omnikv
+    from sparsevllm.kernels import token_select
     path = model(tiny_model)
     comp = compressor(path, tmp_path / "c", "random", latent=6)
     ps = prompts([150, 90], seed=11)
@@ -394,7 +394,7 @@ def test_engine_with_the_triton_kernels_equals_the_references(tiny_model, tmp_pa
     want = run(LLM(path, **knobs), ps, sp)
     monkeypatch.setattr(manager, "reconstruct", kd.reconstruct_triton)
     monkeypatch.setattr(compression, "gather_x", kd.gather_x_triton)
-    monkeypatch.setattr(manager, "select_tokens", omnikv.select_tokens_triton)
+    monkeypatch.setattr(manager, "select_tokens", token_select.select_tokens_triton)
     monkeypatch.setattr(kd, "gather_linear", kd.gather_linear_triton)
     assert run(LLM(path, **knobs), ps, sp) == want
 

@@ -12,7 +12,8 @@ import pytest  # noqa: E402
 
 pytest.importorskip("triton")
 
-from sparsevllm.kernels import decode_attention as da, omnikv as ok, quest as qk  # noqa: E402
+from sparsevllm.kernels import decode_attention as da, omnikv as ok, page_select as psel  # noqa: E402
+from sparsevllm.kernels import token_select as tsel  # noqa: E402
 
 # On a GPU the compiled kernels, on CPU the interpreter (fp32 throughout: both compute it exactly enough).
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -35,13 +36,13 @@ def test_select_pages_reference_breaks_ties_in_page_order(N, n, values):
     same pages as the Triton kernel, and keeps the current page last."""
     B, G, P = 2, 3, 4
     scores, bt, ctx, current = _select_case(N, B, G, N, P, values)
-    table, lengths = qk.select_pages_ref(scores, bt, ctx, P, n)
+    table, lengths = psel.select_pages_ref(scores, bt, ctx, P, n)
     for b in range(B):
         for g in range(G):
             cands = sorted(range(int(current[b])), key=lambda i: (-float(scores[b, g, i]), i))[:n - 1]
             want = [int(bt[b, i]) for i in sorted(cands)] + [int(bt[b, current[b]])]
             assert table[b, g].tolist() == want
-    got = qk.select_pages_triton(scores.to(DEV), bt.to(DEV), ctx.to(DEV), P, n)
+    got = psel.select_pages_triton(scores.to(DEV), bt.to(DEV), ctx.to(DEV), P, n)
     assert torch.equal(got[0].cpu(), table) and torch.equal(got[1].cpu(), lengths)
 
 
@@ -69,8 +70,8 @@ def test_select_pages_triton_reads_strided_cache_lens():
     B, G, N, P, n = 3, 2, 40, 4, 5
     scores, bt, ctx, _ = _select_case(1, B, G, N, P, 1000)
     pair = torch.stack([ctx, torch.full_like(ctx, 7)], dim=1)        # [B, 2]: column 0 is ctx
-    got = qk.select_pages_triton(scores.to(DEV), bt.to(DEV), pair.to(DEV)[:, 0], P, n)
-    want = qk.select_pages_ref(scores, bt, ctx, P, n)
+    got = psel.select_pages_triton(scores.to(DEV), bt.to(DEV), pair.to(DEV)[:, 0], P, n)
+    want = psel.select_pages_ref(scores, bt, ctx, P, n)
     assert torch.equal(got[0].cpu(), want[0]) and torch.equal(got[1].cpu(), want[1])
 
 
@@ -93,8 +94,8 @@ def test_omnikv_kernels_read_strided_length_vectors():
     fin = torch.isfinite(want)
     assert torch.equal(fin, torch.isfinite(got))
     torch.testing.assert_close(got[fin], want[fin], **TOL)
-    tw, lw = ok.select_tokens_ref(want, keep, bt, cl, pl, P)
-    tg, lg = ok.select_tokens_triton(dev(want), strided(keep), dev(bt), strided(cl), strided(pl), P)
+    tw, lw = tsel.select_tokens_ref(want, keep, bt, cl, pl, P)
+    tg, lg = tsel.select_tokens_triton(dev(want), strided(keep), dev(bt), strided(cl), strided(pl), P)
     tg, lg = tg.cpu(), lg.cpu()
     assert torch.equal(lg, lw)
     for b in range(B):

@@ -382,7 +382,8 @@ def test_kernel_modules_import_and_dispatch_without_triton():
     code = (
         "import sys; sys.modules['triton'] = None\n"
         "import torch\n"
-        "from sparsevllm.kernels import decode_attention, prefill_attention, rmsnorm, rope_store, silu_mul, skinny_gemm\n"
+        "from sparsevllm.kernels import decode_attention, page_select, prefill_attention, rmsnorm, rope_store, silu_mul\n"
+        "from sparsevllm.kernels import skinny_gemm, token_select\n"
         "x = torch.randn(2, 8)\n"
         "assert torch.equal(skinny_gemm.linear(x, torch.ones(4, 8)), x @ torch.ones(4, 8).T)\n"
         "assert torch.equal(silu_mul.silu_and_mul(x), silu_mul.silu_and_mul_ref(x))\n"

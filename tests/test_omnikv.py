@@ -15,7 +15,7 @@ import pytest  # noqa: E402
 from sparsevllm import LLM, SamplingParams  # noqa: E402
 from sparsevllm.engine.cache_manager.cross_layer import layer_roles  # noqa: E402
 from sparsevllm.engine.cache_manager.omnikv import default_filter_layers  # noqa: E402
-from sparsevllm.kernels import omnikv as ok  # noqa: E402
+from sparsevllm.kernels import omnikv as ok, token_select as tsel  # noqa: E402
 from sparsevllm.method_registry import make_config  # noqa: E402
 
 CUDA = torch.cuda.is_available()
@@ -51,8 +51,8 @@ def oracle(q, k_cache, table_row, length, prompt_len, P, keep, scale, selector):
     keys = [k_cache[table_row[j // P] * P + j % P].double() for j in range(length)]
     per_head = [[float(q[h].double() @ keys[j][h // (Hq // Hkv)]) * scale for j in range(length)]
                 for h in range(Hq)]
-    if selector == "softmax_max":
-        per_head = [list(torch.tensor(row).softmax(0)) for row in per_head]
+    if selector == "softmax_max":   # each head's softmax over the prompt's keys (softmax_before_last)
+        per_head = [list(torch.tensor(row[:prompt_len]).softmax(0)) for row in per_head]
     score = [max(float(per_head[h][j]) for h in range(Hq)) for j in range(prompt_len)]
     chosen = sorted(range(prompt_len), key=lambda j: (-score[j], j))[:keep]
     return sorted(chosen) + list(range(prompt_len, length))
@@ -211,10 +211,42 @@ def test_omnikv_scores_triton_matches_reference(selector, P, dtype):
     torch.testing.assert_close(got[fin], want[fin], atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("impl", ["ref", "triton"])
+def test_softmax_max_normalises_over_the_prompt_keys_only(impl):
+    """softmax_max follows the official softmax_before_last: each head's softmax runs over the
+    prompt's keys only (the official code slices the key cache to the prefill length), then the max
+    over heads. Generated tokens are stored (and weigh heavily here) yet leave the prompt's scores
+    unchanged; the oracle is a plain loop in float64."""
+    if impl == "triton" and CUDA:
+        pytest.skip("interpreter case")
+    g = torch.Generator().manual_seed(7)
+    B, Hq, Hkv, D, P, N = 3, 6, 2, 16, 4, 12
+    q, k_cache, table, _, _ = kernel_case(g, B, Hq, Hkv, D, P, N, torch.float32, "cpu")
+    prompt = torch.tensor([17, 30, 1], dtype=torch.int32)
+    lengths = torch.tensor([25, 48, 9], dtype=torch.int32)       # decode after the prompt: generated tokens
+    slots = table.long().repeat_interleave(P, 1) * P + torch.arange(N * P) % P
+    group = Hq // Hkv
+    for b in range(B):   # generated keys aligned with the query: large logits, if they counted
+        for t in range(int(prompt[b]), int(lengths[b])):
+            k_cache[slots[b, t]] = q[b].view(Hkv, group, D)[:, 0] * 3
+    fn = ok.omnikv_scores_ref if impl == "ref" else ok.omnikv_scores_triton
+    got = fn(q, k_cache, table, lengths, prompt, P, 0.3, "softmax_max")
+    want = torch.full((B, N * P), float("-inf"), dtype=torch.float64)
+    for b in range(B):
+        n = int(prompt[b])
+        keys = k_cache[slots[b, :n]].double()                    # [n, H_kv, D]
+        for h in range(Hq):
+            probs = torch.softmax(keys[:, h // group] @ q[b, h].double() * 0.3, dim=0)
+            want[b, :n] = probs if h == 0 else torch.maximum(want[b, :n], probs)
+    assert torch.equal(torch.isinf(got), torch.isinf(want))
+    fin = torch.isfinite(want)
+    torch.testing.assert_close(got[fin].double(), want[fin], atol=1e-6, rtol=1e-5)
+
+
 @interp
 @pytest.mark.parametrize("block", [32, 2048])
 def test_select_tokens_triton_matches_reference_with_ties(block, monkeypatch):
-    monkeypatch.setattr(ok, "SELECT_BLOCK", block)   # 32: many blocks per row
+    monkeypatch.setattr(tsel, "SELECT_BLOCK", block)   # 32: many blocks per row
     g = torch.Generator().manual_seed(block)
     B, P, N = 4, 4, 40
     _, _, table, lengths, prompt = kernel_case(g, B, 2, 1, 8, P, N, torch.float32, "cpu")
@@ -226,8 +258,8 @@ def test_select_tokens_triton_matches_reference_with_ties(block, monkeypatch):
         pos = torch.arange(N * P)
         scores = scores.masked_fill(pos >= torch.minimum(prompt, lengths).long().view(B, 1), float("-inf"))
         keep = torch.minimum(torch.randint(1, 40, (B,), generator=g).int(), prompt)
-        got_t, got_l = ok.select_tokens_triton(scores, keep, table, lengths, prompt, P)
-        want_t, want_l = ok.select_tokens_ref(scores, keep, table, lengths, prompt, P)
+        got_t, got_l = tsel.select_tokens_triton(scores, keep, table, lengths, prompt, P)
+        want_t, want_l = tsel.select_tokens_ref(scores, keep, table, lengths, prompt, P)
         assert torch.equal(got_l, want_l)
         for b in range(B):
             assert torch.equal(got_t[b, 0, :int(want_l[b])], want_t[b, 0, :int(want_l[b])]), (trial, b)
@@ -241,7 +273,7 @@ def test_select_tokens_keeps_the_top_n_prompt_tokens_then_every_generated_token(
         pytest.skip("interpreter case")
     table = torch.arange(4, dtype=torch.int32).view(1, 4)            # page size 4: slot = position
     scores = torch.tensor([[0.5, 2.0, 2.0, -1.0, 3.0, 0.1, 9.0, 9.0, 9.0] + [float("-inf")] * 7])
-    fn = ok.select_tokens_ref if impl == "ref" else ok.select_tokens_triton
+    fn = tsel.select_tokens_ref if impl == "ref" else tsel.select_tokens_triton
     t, n = fn(scores, torch.tensor([3], dtype=torch.int32), table, torch.tensor([9], dtype=torch.int32),
               torch.tensor([6], dtype=torch.int32), 4)
     assert int(n) == 3 + 3 and t[0, 0, :6].tolist() == [1, 2, 4, 6, 7, 8]
@@ -260,8 +292,8 @@ def test_gpu_omnikv_kernels_match_references_bf16(selector):
     assert torch.equal(torch.isinf(got), torch.isinf(want))
     torch.testing.assert_close(got[fin], want[fin], atol=2e-2, rtol=2e-2)
     keep = (prompt.float() * 0.067).ceil().int()
-    got_t, got_l = ok.select_tokens(want, keep, table, lengths, prompt, 16)
-    want_t, want_l = ok.select_tokens_ref(want, keep, table, lengths, prompt, 16)
+    got_t, got_l = tsel.select_tokens(want, keep, table, lengths, prompt, 16)
+    want_t, want_l = tsel.select_tokens_ref(want, keep, table, lengths, prompt, 16)
     assert torch.equal(got_l, want_l)
     for b in range(4):
         assert torch.equal(got_t[b, 0, :int(want_l[b])], want_t[b, 0, :int(want_l[b])])

@@ -20,7 +20,7 @@ import pytest  # noqa: E402
 
 from sparsevllm import LLM, SamplingParams  # noqa: E402
 from sparsevllm.method_registry import make_config  # noqa: E402
-from sparsevllm.kernels import quest as qk  # noqa: E402
+from sparsevllm.kernels import page_select as psel, quest as qk  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -298,7 +298,7 @@ def test_select_pages_dense_rows_and_lengths():
     bt = torch.tensor([[10, 11, 12, 13, 14, 15, 7, 7], [20, 21, 22, 5, 5, 5, 5, 5]], dtype=torch.int32)
     ctx = torch.tensor([5 * 4 + 3, 2 * 4 + 1], dtype=torch.int32)
     dev = "cuda" if CUDA else "cpu"   # the Triton version runs in the interpreter on CPU
-    for select in (qk.select_pages_ref, qk.select_pages_triton):
+    for select in (psel.select_pages_ref, psel.select_pages_triton):
         table, lengths = select(scores.to(dev), bt.to(dev), ctx.to(dev), 4, 3)
         assert table.tolist() == [[[11, 13, 15]], [[20, 21, 22]]]
         assert lengths.tolist() == [[2 * 4 + 3], [9]]
@@ -310,7 +310,7 @@ def test_select_pages_breaks_ties_in_page_order():
     scores = torch.zeros(1, 1, 20, device=dev)
     scores[0, 0, 10:] = float("-inf")
     scores[0, 0, 3] = 1.0
-    table, lengths = qk.select_pages_triton(scores, torch.arange(20, device=dev).int().view(1, 20),
+    table, lengths = psel.select_pages_triton(scores, torch.arange(20, device=dev).int().view(1, 20),
                                             torch.tensor([10 * 4 + 2], device=dev).int(), 4, 5)
     assert table.tolist() == [[[0, 1, 2, 3, 10]]] and lengths.tolist() == [[42 - 6 * 4]]
 
@@ -320,7 +320,7 @@ def test_select_pages_breaks_ties_in_page_order():
 interp = pytest.mark.skipif(CUDA, reason="interpreter tests run on CPU-only machines")
 
 
-def minmax_case(g, num_pages, P, H, D, dtype, device):
+def bounds_case(g, num_pages, P, H, D, dtype, device):
     k_cache = torch.randn(num_pages * P, H, D, generator=g).to(device, dtype)
     pages = torch.randperm(num_pages, generator=g)[:6]
     offs = torch.randint(0, P, (6,), generator=g)
@@ -347,12 +347,12 @@ def scores_case(g, B, Hq, Hkv, D, P, N, dtype, device, head_major=False):
 
 @interp
 @pytest.mark.parametrize("P,dtype", [(1, torch.float32), (4, torch.float16), (16, torch.float32)])
-def test_page_minmax_triton_matches_reference(P, dtype):
+def test_page_bounds_triton_matches_reference(P, dtype):
     g = torch.Generator().manual_seed(P)
-    args = minmax_case(g, 12, P, 3, 24, dtype, "cpu")
+    args = bounds_case(g, 12, P, 3, 24, dtype, "cpu")
     ref = [a.clone() for a in args]
-    qk.page_minmax_triton(*args, P)
-    qk.page_minmax_ref(*ref, P)
+    psel.page_bounds_triton(*args, P)
+    psel.page_bounds_ref(*ref, P)
     assert torch.equal(args[2], ref[2]) and torch.equal(args[3], ref[3])
 
 
@@ -360,10 +360,10 @@ def test_page_minmax_triton_matches_reference(P, dtype):
 @pytest.mark.parametrize("P,selection,dtype,head_major", [
     (16, "kv_head", torch.float32, True), (4, "shared", torch.float16, False),
     (1, "query_head", torch.float16, True), (16, "query_head", torch.float32, False)])
-def test_quest_scores_triton_matches_reference(P, selection, dtype, head_major):
+def test_bound_scores_triton_matches_reference(P, selection, dtype, head_major):
     g = torch.Generator().manual_seed(P + len(selection))
     args = scores_case(g, 3, 6, 2, 24, P, {1: 70, 4: 40, 16: 9}[P], dtype, "cpu", head_major)   # 70 pages: 3 blocks
-    got, want = qk.quest_scores_triton(*args, P, selection), qk.quest_scores_ref(*args, P, selection)
+    got, want = psel.bound_scores_triton(*args, P, selection), psel.bound_scores_ref(*args, P, selection)
     assert torch.equal(got.isinf(), want.isinf())
     torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-4)
 
@@ -401,16 +401,16 @@ def unfused(q, k, v, pos, cos_sin, kc, vc, slots, kmin, kmax, bt, ctx, P, select
     q_rot, k_rot = rope_store_triton(q, k, v, pos, cos_sin, kc, vc, slots, kmin, kmax, P)
     q_out.copy_(q_rot)
     k_out.copy_(k_rot)
-    return qk.quest_scores_triton(q_out, kmin, kmax, bt, ctx, P, selection)
+    return psel.bound_scores_triton(q_out, kmin, kmax, bt, ctx, P, selection)
 
 
 @interp
-@pytest.mark.parametrize("selection", qk.SELECTIONS)
+@pytest.mark.parametrize("selection", psel.SELECTIONS)
 @pytest.mark.parametrize("P,dtype", [(16, torch.float32), (4, torch.float16), (1, torch.float32)])
 def test_store_and_score_triton_equals_rope_store_then_scores(selection, P, dtype):
     """The decode store inside the scoring launch writes what rope_store writes (q and k after RoPE,
     the pool slots, padding nowhere, the page bounds, a page's first slot resetting them) and gives
-    the scores quest_scores gives on the rotated query: bit for bit against the two launches, and
+    the scores bound_scores gives on the rotated query: bit for bit against the two launches, and
     against the reference."""
     g = torch.Generator().manual_seed(P + len(selection))
     args = store_case(g, 4, 6, 2, 24, P, {1: 70, 4: 40, 16: 9}[P], dtype, "cpu")   # 70 pages: 3 blocks
@@ -441,7 +441,7 @@ def select_case(g, B, G, N, P, device):
 @pytest.mark.parametrize("B,G,N,P,n", [(3, 2, 40, 4, 5), (4, 8, 300, 16, 128), (2, 1, 17, 1, 3), (2, 3, 8016, 16, 128)])
 def test_select_pages_triton_matches_reference(B, G, N, P, n):
     args = select_case(torch.Generator().manual_seed(N), B, G, N, P, "cpu")
-    got, want = qk.select_pages_triton(*args, P, n), qk.select_pages_ref(*args, P, n)
+    got, want = psel.select_pages_triton(*args, P, n), psel.select_pages_ref(*args, P, n)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
@@ -456,7 +456,7 @@ def test_select_pages_triton_stops_early_only_when_exact(kind, packed, monkeypat
     max or many below it (wide_range: magnitudes 1e-30 .. 1e30 of both signs); with the counts and
     slots packed or not (tables of PACKED_MAX_PAGES pages or more)."""
     if not packed:
-        monkeypatch.setattr(qk, "PACKED_MAX_PAGES", 0)
+        monkeypatch.setattr(psel, "PACKED_MAX_PAGES", 0)
     g = torch.Generator().manual_seed(len(kind))
     B, G, N, P, n = 3, 4, 200, 4, 17
     scores, bt, ctx = select_case(g, B, G, N, P, "cpu")
@@ -470,7 +470,7 @@ def test_select_pages_triton_stops_early_only_when_exact(kind, packed, monkeypat
             "wide_range": torch.randn(B, G, N, generator=g).sign() * 10 ** (torch.rand(B, G, N, generator=g) * 60 - 30),
             "constant": torch.full((B, G, N), -3.5)}[kind]
     scores = base.masked_fill(torch.arange(N).view(1, 1, N) >= current.view(B, 1, 1), float("-inf"))
-    table, lengths = qk.select_pages_triton(scores, bt, ctx, P, n)
+    table, lengths = psel.select_pages_triton(scores, bt, ctx, P, n)
     for b in range(B):
         for h in range(G):
             cands = sorted(range(int(current[b])), key=lambda i: (-float(scores[b, h, i]), i))[:n - 1]
@@ -482,33 +482,33 @@ def test_select_pages_triton_stops_early_only_when_exact(kind, packed, monkeypat
 # ---------------------------------------------------------------- GPU
 
 @gpu
-@pytest.mark.parametrize("selection", qk.SELECTIONS)
+@pytest.mark.parametrize("selection", psel.SELECTIONS)
 def test_gpu_quest_kernels_match_references_bf16(selection):
     g = torch.Generator().manual_seed(21 + len(selection))
     bf = torch.bfloat16
     for B, N in [(1, 4096), (5, 300), (33, 64)]:
         args = scores_case(g, B, 32, 8, 128, 16, N, bf, "cuda", head_major=B != 5)
-        got, want = qk.quest_scores(*args, 16, selection), qk.quest_scores_ref(*args, 16, selection)
+        got, want = psel.bound_scores(*args, 16, selection), psel.bound_scores_ref(*args, 16, selection)
         assert torch.equal(got.isinf(), want.isinf())
         torch.testing.assert_close(got, want, atol=1e-2, rtol=1e-3)
     for P in (1, 16, 64):
-        args = minmax_case(g, 50, P, 8, 128, bf, "cuda")
+        args = bounds_case(g, 50, P, 8, 128, bf, "cuda")
         ref = [a.clone() for a in args]
-        qk.page_minmax(*args, P)
-        qk.page_minmax_ref(*ref, P)
+        psel.page_bounds(*args, P)
+        psel.page_bounds_ref(*ref, P)
         assert torch.equal(args[2], ref[2]) and torch.equal(args[3], ref[3])
     # 128K tokens of 16-token pages, budget 2048: the benchmark's shape.
     for B, G, N, n in [(4, 8, 8016, 128), (3, 1, 8016, 128), (7, 8, 300, 3)]:
         args = select_case(g, B, G, N, 16, "cuda")
-        got, want = qk.select_pages(*args, 16, n), qk.select_pages_ref(*args, 16, n)
+        got, want = psel.select_pages(*args, 16, n), psel.select_pages_ref(*args, 16, n)
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
 @gpu
-@pytest.mark.parametrize("selection", qk.SELECTIONS)
+@pytest.mark.parametrize("selection", psel.SELECTIONS)
 def test_gpu_store_inside_the_scoring_launch_equals_rope_store_then_scores_bf16(selection):
     """At Llama-3.1-8B head shapes (the benchmark's 8,016-page tables among them) the store inside
-    the scoring launch writes rope_store's bits (same two fmas) and gives quest_scores' scores."""
+    the scoring launch writes rope_store's bits (same two fmas) and gives bound_scores' scores."""
     g = torch.Generator().manual_seed(5 + len(selection))
     for B, N in [(4, 8016), (5, 300), (33, 64)]:
         args = store_case(g, B, 32, 8, 128, 16, N, torch.bfloat16, "cuda")
@@ -537,7 +537,7 @@ def test_gpu_quest_fused_store_gives_the_separate_stores_tokens_under_graphs(tin
 
 
 @gpu
-@pytest.mark.parametrize("selection", qk.SELECTIONS)
+@pytest.mark.parametrize("selection", psel.SELECTIONS)
 def test_gpu_quest_graph_replay_equals_eager(tiny_model, selection):
     path = tiny_model("llama")
     knobs = dict(vllm_sparse_method="quest", device="cuda", dtype="float32", max_num_seqs=8, page_size=4,

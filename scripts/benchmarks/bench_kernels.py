@@ -33,7 +33,7 @@ import triton  # noqa: E402
 from sparsevllm.kernels import decode_attention as da  # noqa: E402
 from sparsevllm.kernels import prefill_attention as pa, rmsnorm, rope_store as rs, silu_mul  # noqa: E402
 from sparsevllm.kernels import deltakv as kd  # noqa: E402
-from sparsevllm.kernels import quest as qk  # noqa: E402
+from sparsevllm.kernels import page_select as psel, quest as qk  # noqa: E402
 from sparsevllm.kernels import skinny_gemm as sk  # noqa: E402
 
 HQ, HKV, D = 32, 8, 128
@@ -314,7 +314,7 @@ def bench_deltakv_up(results, gen, cases, dtype):
 def bench_quest_store(results, gen, B, N, layers, shapes, dtype):
     """A Quest decode layer's front, `layers` layers in one graph (so launch gaps and early starts
     count): the qkv GEMM (4,096 -> 6,144, a weight a layer), then rope_store (with the page
-    bounds) and quest_scores, or the store inside the scoring launch (store_and_score), then
+    bounds) and bound_scores, or the store inside the scoring launch (store_and_score), then
     select_pages; per scoring launch shape (pages a program, warps). Tables of N 16-token pages,
     nearly full; each layer has its own bounds (134 MB at 128K x 4: none left in L2)."""
     P, n = 16, min(128, N // 2)   # the default budget: 2,048 tokens
@@ -340,25 +340,27 @@ def bench_quest_store(results, gen, B, N, layers, shapes, dtype):
         for i in range(layers):
             q, k, v = qkv(i)
             q_rot, _ = rs.rope_store_triton(q, k, v, pos, cos_sin, k_cache, v_cache, slots, kmin[i], kmax[i], P)
-            qk.select_pages_triton(qk.quest_scores_triton(q_rot, kmin[i], kmax[i], bt, ctx, P, "kv_head"), bt, ctx, P, n)
+            scores = psel.bound_scores_triton(q_rot, kmin[i], kmax[i], bt, ctx, P, "kv_head")
+            psel.select_pages_triton(scores, bt, ctx, P, n)
 
     def one():
         for i in range(layers):
             q, k, v = qkv(i)
             scores = qk.store_and_score_triton(q, k, v, pos, cos_sin, k_cache, v_cache, slots, kmin[i], kmax[i], bt,
                                                ctx, P, "kv_head", torch.empty_like(q), torch.empty_like(k))
-            qk.select_pages_triton(scores, bt, ctx, P, n)
+            psel.select_pages_triton(scores, bt, ctx, P, n)
 
-    keep = qk.BLOCK_PAGES, qk.SCORE_WARPS
+    keep = psel.BLOCK_PAGES, psel.SCORE_WARPS
     try:
-        for qk.BLOCK_PAGES, qk.SCORE_WARPS in shapes:
-            row = {"requests": B, "pages": N, "layers": layers, "block_pages": qk.BLOCK_PAGES, "warps": qk.SCORE_WARPS,
+        for psel.BLOCK_PAGES, psel.SCORE_WARPS in shapes:
+            row = {"requests": B, "pages": N, "layers": layers, "block_pages": psel.BLOCK_PAGES,
+                   "warps": psel.SCORE_WARPS,
                    "two_launches_us": round(bench_graph_ms(two) / layers * 1e3, 2),
                    "one_launch_us": round(bench_graph_ms(one) / layers * 1e3, 2)}
             results.append(row)
             print("quest_store", row, flush=True)
     finally:
-        qk.BLOCK_PAGES, qk.SCORE_WARPS = keep
+        psel.BLOCK_PAGES, psel.SCORE_WARPS = keep
 
 
 def gather_sdpa(q, k_cache, v_cache, block_tables, context_len, page_size, scale):

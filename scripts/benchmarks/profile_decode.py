@@ -32,8 +32,8 @@ def kind(name: str) -> str:
                        ("gemm", "GEMM"), ("gemv", "GEMM"), ("nvjet", "GEMM"), ("cutlass", "GEMM"), ("skinny", "GEMM"),
                        ("reconstruct", "method: rebuild"), ("rebuild", "method: rebuild"), ("radix", "method: select"),
                        ("rms_norm", "rmsnorm"), ("rope_store", "rope + kv store"), ("silu", "silu_mul"),
-                       ("argmax", "sampling"), ("copy", "copies"), ("quest_scores", "method: scores"),
-                       ("select_pages", "method: select"), ("page_minmax", "method: page min/max")):
+                       ("argmax", "sampling"), ("copy", "copies"), ("bound_scores", "method: scores"),
+                       ("select_pages", "method: select"), ("page_bounds", "method: page min/max")):
         if key in n:
             return label
     return "other"

@@ -5,10 +5,11 @@ the pool slot its slot_mapping names (-1: padding, written nowhere). One program
 the token's cos/sin row once and does all of it: a separate RoPE launch and store launch per layer
 cost more than their arithmetic on the decode path.
 
-Optionally (kmin/kmax given) the write also keeps per-page key bounds (Quest): the page of the slot
-gets the channel-wise min/max of its keys, reset by the page's first slot. This is exact only when
-no two tokens of the step write the same page, which holds in decode (one token per request,
-requests never share a page they write); prefill chunks recompute their pages instead.
+Optionally (kmin/kmax given) the write also keeps the per-page key bounds that page scoring reads
+(kernels/page_select.py): the page of the slot gets the channel-wise min/max of its keys, reset by
+the page's first slot. This is exact only when no two tokens of the step write the same page, which
+holds in decode (one token per request, requests never share a page they write); prefill chunks
+recompute their pages instead.
 """
 import torch
 
@@ -50,8 +51,9 @@ def _rotate_halves(x_ptr, t, stride_t, stride_h, cos, sin,
     src = x_ptr + t * stride_t + heads * stride_h + cols
     x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
-    # Explicit fmas, the product with sin rounded and the one with cos fused: the Quest scoring kernel
-    # rotates with the same two, so its stored q and k equal these bit for bit.
+    # Explicit fmas, the product with sin rounded and the one with cos fused: the page-scoring kernel's
+    # fused store (kernels/page_select.py) rotates with the same two, so its stored q and k equal
+    # these bit for bit.
     return tl.fma(x1, cos, -(x2 * sin)), tl.fma(x2, cos, x1 * sin), heads, cols, mask
 
 

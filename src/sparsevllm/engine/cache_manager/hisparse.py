@@ -45,7 +45,7 @@ from sparsevllm.engine.sequence import Sequence
 from sparsevllm.engine.staging import to_device
 from sparsevllm.engine.step import DecodeView, StepState
 from sparsevllm.kernels.hisparse import copy_pages, host_store, swap_plan
-from sparsevllm.kernels.quest import page_minmax, quest_scores, select_pages
+from sparsevllm.kernels.page_select import bound_scores, page_bounds, select_pages
 from sparsevllm.models.config import ModelConfig
 
 
@@ -344,9 +344,9 @@ class HiSparseCacheManager(CacheManager):
 
     # ---- per layer -------------------------------------------------------------------------------
     def _bounds_from_pool(self, layer_id: int, dev_slots: torch.Tensor, host_pages: torch.Tensor) -> None:
-        """Recompute the min/max of the device pages holding dev_slots (-1: none) with Quest's kernel
+        """Recompute the min/max of the device pages holding dev_slots (-1: none) with page_bounds
         and file them under their host pages."""
-        page_minmax(self.pool.layer(layer_id)[0], dev_slots, self.scratch_min, self.scratch_max, self.page_size)
+        page_bounds(self.pool.layer(layer_id)[0], dev_slots, self.scratch_min, self.scratch_max, self.page_size)
         dev_pages = (dev_slots // self.page_size).clamp(min=0)
         self.kmin[layer_id].index_copy_(0, host_pages, self.scratch_min.index_select(0, dev_pages))
         self.kmax[layer_id].index_copy_(0, host_pages, self.scratch_max.index_select(0, dev_pages))
@@ -395,7 +395,7 @@ class HiSparseCacheManager(CacheManager):
         rows, lens = step.extras["hisparse_rows"], step.cache_lens
         htab = self.host_tables[rows]
         active = self.offloaded[rows] & (step.slot_mapping >= 0)
-        scores = quest_scores(q, self.kmin[layer_id], self.kmax[layer_id], htab, lens, P, "shared")
+        scores = bound_scores(q, self.kmin[layer_id], self.kmax[layer_id], htab, lens, P, "shared")
         if self.recent_pages:   # recent pages always win the top-k
             current = ((lens.long() - 1) // P).unsqueeze(1)
             idx = torch.arange(htab.shape[1], device=q.device).unsqueeze(0)

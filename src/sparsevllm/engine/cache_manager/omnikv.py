@@ -10,10 +10,12 @@ filter layer and the W layers after each are dense; every other layer is sparse 
 selection of the nearest filter layer before it. Each decode step, each filter layer scores every
 prompt token j with its own current query: max over query heads h of q_h . k_j / sqrt(d) (raw
 logits, selector "last", OmniKV's default; "softmax_max" takes the max over heads of the softmax
-probabilities instead) and keeps the top n (`omnikv_num_selected`: an int, or a fraction of the
-prompt length, default 0.067). Its sparse layers then attend to those n prompt tokens plus every
-generated token, which are always attended and never selected: one token set shared by all heads,
-a decode view with page size 1 and G = 1, positions in logical order (all below the query's).
+probabilities instead, each head's softmax over the prompt's keys only, as the official
+`softmax_before_last` slices the key cache to the prompt before it) and keeps the top n
+(`omnikv_num_selected`: an int, or a fraction of the prompt length, default 0.067). Its sparse
+layers then attend to those n prompt tokens plus every generated token, which are always attended
+and never selected: one token set shared by all heads, a decode view with page size 1 and G = 1,
+positions in logical order (all below the query's).
 Prefill is dense everywhere; nothing is evicted, so prefix caching and chunked prefill work as for
 vanilla, except that only prompt pages are shared (a generated token's KV comes from the sparse
 decode, not what a miss would prefill: `dense_decode=False`). The selection is handed from a
@@ -45,7 +47,8 @@ from sparsevllm.engine.cache_manager.base import CacheManager, Capabilities
 from sparsevllm.engine.cache_manager.cross_layer import layer_roles, scored_view, selection
 from sparsevllm.engine.staging import to_device
 from sparsevllm.engine.step import DecodeView, StepState
-from sparsevllm.kernels.omnikv import SELECTORS, omnikv_scores, select_tokens
+from sparsevllm.kernels.omnikv import SELECTORS, omnikv_scores
+from sparsevllm.kernels.token_select import select_tokens
 from sparsevllm.models.config import ModelConfig
 
 PAPER_FILTER_LAYERS, PAPER_DEPTH = (2, 8, 18), 32

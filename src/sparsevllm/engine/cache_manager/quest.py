@@ -47,7 +47,8 @@ from sparsevllm.distributed import combine_shared_scores
 from sparsevllm.engine.cache_manager.base import CacheManager, Capabilities
 from sparsevllm.engine.staging import to_device
 from sparsevllm.engine.step import DecodeView, StepState, StoreTarget
-from sparsevllm.kernels.quest import SELECTIONS, page_minmax, quest_scores, select_pages, store_and_score
+from sparsevllm.kernels.page_select import SELECTIONS, bound_scores, page_bounds, select_pages
+from sparsevllm.kernels.quest import store_and_score
 from sparsevllm.kernels.rope_store import rope_store
 from sparsevllm.models.config import ModelConfig
 
@@ -180,7 +181,7 @@ class QuestCacheManager(CacheManager):
             return
         # A prefill chunk may write many tokens into one page: recompute each page it touched.
         i = layer_id - self.skip_layers
-        page_minmax(self.pool.layer(layer_id)[0], step.extras["quest_last_slots"], self.kmin[i], self.kmax[i],
+        page_bounds(self.pool.layer(layer_id)[0], step.extras["quest_last_slots"], self.kmin[i], self.kmax[i],
                     self.page_size)
 
     def build_decode_view(self, layer_id: int, q: torch.Tensor, step: StepState) -> DecodeView:
@@ -189,7 +190,7 @@ class QuestCacheManager(CacheManager):
         i = layer_id - self.skip_layers
         scores = step.scratch.pop(f"quest.{layer_id}", None)   # store_kv's fused launch scored the pages
         if scores is None:
-            scores = quest_scores(q, self.kmin[i], self.kmax[i], step.block_tables, step.cache_lens,
+            scores = bound_scores(q, self.kmin[i], self.kmax[i], step.block_tables, step.cache_lens,
                                   self.page_size, self.selection)
         if self.selection == "shared":
             scores = combine_shared_scores(scores, op="sum")   # the sum over every rank's heads (-inf stays -inf)

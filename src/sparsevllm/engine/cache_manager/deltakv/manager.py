@@ -18,7 +18,7 @@ from sparsevllm.engine.sequence import Sequence
 from sparsevllm.engine.staging import to_device
 from sparsevllm.engine.step import DecodeView, PrefillView, StepState
 from sparsevllm.kernels.deltakv import reconstruct, up_of
-from sparsevllm.kernels.omnikv import select_tokens
+from sparsevllm.kernels.token_select import select_tokens
 from sparsevllm.kernels.rope_store import rope_store
 from sparsevllm.models.config import ModelConfig
 
