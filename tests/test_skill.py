@@ -38,24 +38,30 @@ def test_every_command_in_the_skill_exists():
 
 def test_hooks_named_by_the_skill_exist_on_the_base_class():
     from sparsevllm.engine.cache_manager.base import CacheManager
-    hooks = set(re.findall(r"`(\w+)\(", skill_text()))
-    for hook in ("on_kv_stored", "build_decode_view", "observe_prefill_queries", "chunk_size", "on_step_end"):
-        assert hook in hooks and hasattr(CacheManager, hook)
+    hooks = set(re.findall(r"`(\w+)`", skill_text()))
+    for hook in ("on_kv_stored", "build_decode_view", "observe_prefill_queries", "chunk_size", "on_step_begin",
+                 "on_step_end", "allocate_storage", "store_target"):
+        assert hook in hooks and hasattr(CacheManager, hook), hook
 
 
-def test_hook_signatures_in_the_skill_match_the_base_class():
-    """`hook(a, b, c)` in the skill takes as many arguments as CacheManager's hook (self/cls aside)."""
+DESIGN = ROOT / "docs" / "design.md"
+HELPERS = {"pages_for", "admit_len", "seq_admit_len", "last_slots", "num_pages"}   # for methods to call
+
+
+def test_the_design_hook_table_lists_every_hook_with_its_arguments():
+    """docs/design.md is the contract: its hook table names every overridable method of CacheManager
+    with the arguments base.py takes, and nothing base.py lacks."""
     import inspect
 
     from sparsevllm.engine.cache_manager.base import CacheManager
-    checked = 0
-    for name, args in re.findall(r"`(\w+)\(([^`]*?)\)`", skill_text()):
-        if not hasattr(CacheManager, name) or not args.strip():
-            continue
-        params = [p for p in inspect.signature(getattr(CacheManager, name)).parameters if p != "self"]
-        assert len(args.split(",")) == len(params), f"skill: {name}({args}); base.py: {name}({', '.join(params)})"
-        checked += 1
-    assert checked >= 8
+    rows = dict(re.findall(r"^\| `(\w+)\(([^`]*)\)` \|", DESIGN.read_text(), re.M))
+    hooks = {name for name, _ in inspect.getmembers(CacheManager) if not name.startswith("_")
+             and inspect.isroutine(getattr(CacheManager, name)) and name not in HELPERS}
+    assert set(rows) == hooks, f"in the table only: {set(rows) - hooks}; in base.py only: {hooks - set(rows)}"
+    for name, args in rows.items():
+        params = [p for p in inspect.signature(getattr(CacheManager, name)).parameters if p not in ("self", "cls")]
+        assert [a.strip() for a in args.split(",") if a.strip()] == params, f"design: {name}({args}); base.py: {params}"
+    assert all(h in DESIGN.read_text() for h in HELPERS - {"num_pages", "seq_admit_len"})
 
 
 def test_types_and_flags_named_by_the_skill_exist():
