@@ -55,7 +55,8 @@ def parse_args(argv=None) -> RunConfig:
                         "'{\"max_num_seqs\": 8, \"quest\": {\"quest_token_budget\": [256, 512]}}'")
     p.add_argument("--out_dir", default="regression_out",
                    help="output folder; rerunning with the same folder resumes")
-    p.add_argument("--seed", type=int, default=0, help="seed of the generated samples (synthetic tasks and fidelity windows)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the generated samples (synthetic tasks and fidelity windows)")
     p.add_argument("--no_chat_template", action="store_true",
                    help="plain-text prompts even when the tokenizer has a chat template")
     p.add_argument("--tolerance", type=float, default=5.0,
