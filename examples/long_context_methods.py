@@ -22,4 +22,4 @@ for method, knobs in [("vanilla", {}),
         if os.environ.get("DELTAKV_COMPRESSOR") else []):
     llm = LLM(vllm_sparse_method=method, **knobs)
     out = llm.chat([{"role": "user", "content": prompt}], sp, use_tqdm=False)[0]
-    print(f"{method:8s} {len(out['prompt_token_ids'])} prompt tokens -> {out['text']!r}")
+    print(f"{method:8s} {len(out.prompt_token_ids)} prompt tokens -> {out.outputs[0].text!r}")

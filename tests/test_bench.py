@@ -123,14 +123,50 @@ def test_timing_metrics_have_no_decode_window_when_requests_never_overlap():
 
 
 def test_cpu_cases_use_a_copy_rate_measured_on_the_machine(sweep):
-    """On a CPU the roofline uses the machine's own measured copy rate, not the H200's, so the
-    fraction reads as one (it read 0.0% against 4.23 TB/s)."""
-    _, _, rows = sweep
+    """On a CPU the roofline uses the machine's own copy rate, measured once at the start and
+    printed before the cases, not the H200's (the fraction read 0.0% against 4.23 TB/s)."""
+    out, proc, rows = sweep
     r = rows[(64, 1)]
     assert r["hbm_bw"] != bench_roofline.DEFAULT_HBM_BW and 1e8 < r["hbm_bw"] < 1e12
     # The fraction itself depends on how busy the CPU is (tests run beside other jobs); what matters
     # is that the roofline comes from this machine's copy rate, far below the H200's.
     assert r["hbm_bw"] < bench_roofline.DEFAULT_HBM_BW / 20 and r["roofline_fraction"] > 0
+    # one measurement for the whole run, stored in every row (the failed case's too)
+    assert {row["hbm_bw"] for row in rows.values()} == {r["measured_copy_bw"]}
+    first_line = proc.stdout.splitlines()[0]
+    assert first_line == (f"roofline bandwidth: {r['hbm_bw'] / 1e9:.1f} GB/s, measured on this CPU "
+                          f"({bench_roofline.CPU_COPY_HOW}); --hbm_bw overrides it")
+
+
+def test_cpu_summary_says_what_the_percentage_of_roofline_means(sweep):
+    out, proc, rows = sweep
+    summary = (out / "summary.md").read_text()
+    bw = rows[(64, 1)]["hbm_bw"]
+    assert f"- **hbm_bw (B/s)**: {bw:.3g}, measured on this CPU ({bench_roofline.CPU_COPY_HOW})" in summary
+    note = next(line for line in summary.splitlines() if line.startswith("- **% of roofline**: "))
+    # the measured step beside the roofline's: the slowest ok case's ms per decode step ends the span
+    slowest = max(1e3 * r["batch"] / r["decode_tok_s"] for r in rows.values() if r["status"] == "ok")
+    assert f"{slowest:.3g} ms measured" in note
+    assert "fixed cost per operator" in note
+    assert f"% of roofline: {note.removeprefix('- **% of roofline**: ')}" in proc.stdout
+
+
+def test_gpu_rows_keep_the_h200_bandwidth_times_tp():
+    args = bench_sparse_vllm.build_parser().parse_args(["--model_path", "tiny", "--lengths", "64"])
+    plan = bench_sparse_vllm.validate(args)
+    args.tp, args.command = 2, "python bench_sparse_vllm.py"
+    case = {"run_id": "r", "method": "vanilla", "length": 64, "batch": 1, "output_len": 8, "vary_output": False,
+            "repeat": 1, "seed": 0, "model_config": plan["model_config"], "engine_kwargs": {},
+            "resolved_knobs": plan["resolved"]["vanilla"]}
+    result = {"environment": {"gpu": "NVIDIA H200"}, "status": "ok", "error": None, "dtype": "bfloat16",
+              "decode_tok_s": 100.0}
+    row = bench_sparse_vllm.make_row(case, result, args, plan)
+    bw = bench_roofline.DEFAULT_HBM_BW * 2
+    roof = bench_roofline.roofline(plan["model_config"], 2, bench_sparse_vllm.kv_read_model(plan, "vanilla"),
+                                   1, 64, 8, bw)
+    assert row["hbm_bw"] == bw and row["roofline_tok_s"] == roof["roofline_tok_s"]
+    assert "measured_copy_bw" not in row
+    assert bench_sparse_vllm.cpu_roofline_header(None, [row]) == {}
 
 
 def test_roofline_matches_the_llama_8b_figures_in_benchmarks_md():

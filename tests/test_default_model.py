@@ -147,6 +147,75 @@ def test_failed_conversion_leaves_nothing_behind(monkeypatch, tmp_path):
     assert list((tmp_path / "sparsevllm").iterdir()) == []
 
 
+def test_first_conversion_says_so_and_where_it_writes(monkeypatch, tmp_path, caplog):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(dm, "convert_gguf", fake_convert)
+    with caplog.at_level("WARNING", logger=dm.__name__):
+        folder = dm.resolve_model(None)
+    assert [r.levelname for r in caplog.records] == ["WARNING"]
+    assert "First use of the default model" in caplog.text and folder in caplog.text
+    caplog.clear()
+    dm.resolve_model(None)   # cached: silent
+    assert caplog.records == []
+
+
+def write_tiny_llama_gguf(path: Path) -> None:
+    """A one-layer Llama GGUF with fp32 tensors and a six-token byte-level BPE vocabulary."""
+    import gguf
+
+    hidden, heads, kv_heads, inter = 8, 2, 1, 16
+    head_dim = hidden // heads
+    tokens = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "a", "b", "ab"]
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_embedding_length(hidden)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_feed_forward_length(inter)
+    writer.add_block_count(1)
+    writer.add_context_length(64)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("smollm")
+    writer.add_token_list(tokens)
+    writer.add_token_types([dm.TOKEN_TYPE_CONTROL] * 3 + [1] * 3)
+    writer.add_token_merges(["a b"])
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_chat_template("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    rng = np.random.default_rng(0)
+    shapes = {"token_embd.weight": (len(tokens), hidden), "output_norm.weight": (hidden,),
+              "blk.0.attn_q.weight": (heads * head_dim, hidden),
+              "blk.0.attn_k.weight": (kv_heads * head_dim, hidden),
+              "blk.0.attn_v.weight": (kv_heads * head_dim, hidden),
+              "blk.0.attn_output.weight": (hidden, heads * head_dim),
+              "blk.0.ffn_gate.weight": (inter, hidden), "blk.0.ffn_up.weight": (inter, hidden),
+              "blk.0.ffn_down.weight": (hidden, inter),
+              "blk.0.attn_norm.weight": (hidden,), "blk.0.ffn_norm.weight": (hidden,)}
+    for name, shape in shapes.items():
+        writer.add_tensor(name, rng.standard_normal(shape).astype(np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_conversion_shows_progress_over_the_fp32_bytes(tmp_path, capsys):
+    from safetensors.numpy import load_file
+
+    gguf_path = tmp_path / "tiny.gguf"
+    write_tiny_llama_gguf(gguf_path)
+    out = tmp_path / "hf"
+    out.mkdir()
+    dm.convert_gguf(gguf_path, out)
+    weights = load_file(out / "model.safetensors")
+    fp32_bytes = sum(w.nbytes for w in weights.values())
+    err = capsys.readouterr().err
+    assert "dequantising tiny.gguf" in err
+    # the bar counts the written fp32 bytes (tqdm prints 2,592 as 2.59k) and ends full on the last step
+    total = f"{fp32_bytes / 1e3:.2f}k"
+    assert "writing model.safetensors: 100%" in err and f"| {total}/{total} [" in err
+
+
 def test_rotary_unpermute_inverts_llama_cpp_permutation():
     # llama.cpp's converter (convert_hf_to_gguf.py, LlamaModel.permute), written out independently.
     def llama_cpp_permute(w, n_head):

@@ -15,7 +15,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from test_regression_fixtures import build_tiny_llama, build_tokenizer  # noqa: E402
 
 from sparsevllm.regression import runner as runner_module  # noqa: E402
-from sparsevllm.regression.__main__ import parse_args  # noqa: E402
+from sparsevllm.regression.__main__ import main, parse_args  # noqa: E402
 from sparsevllm.regression.runner import RunConfig, Runner, build_samples  # noqa: E402
 from sparsevllm.regression.variants import expand_variants  # noqa: E402
 
@@ -312,6 +312,40 @@ def test_cli_parses_lengths_lists_and_json():
     assert config.tasks == ["niah_multikey", "fidelity"]
     with pytest.raises(SystemExit):
         parse_args(["--lengths", "abc"])
+
+
+def test_cli_defaults_are_run_config_defaults_and_shown_in_help(capsys):
+    assert parse_args([]) == RunConfig()
+    with pytest.raises(SystemExit):
+        parse_args(["--help"])
+    text = " ".join(capsys.readouterr().out.split())   # undo argparse's line wrapping
+    for shown in ("--methods METHODS comma-separated methods; vanilla is always run as the reference "
+                  "(default: vanilla)", "(default: 1k,2k,4k)", "(default: 20)", "(default: {})",
+                  "(default: regression_out)", "(default: 5.0)", "(default: 32)"):
+        assert shown in text, shown
+    # every option of the usage line ([--model MODEL] ..., all but [-h]) states its default
+    assert text.count("(default: ") == text.count("[--") == 12
+
+
+def test_cli_names_the_json_error_of_hyper_params(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(["--hyper_params", "{bad"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2
+    assert ("argument --hyper_params: not valid JSON (Expecting property name enclosed in double quotes: "
+            "line 1 column 2 (char 1)): '{bad'") in err
+    assert "invalid loads value" not in err
+
+
+def test_cli_unknown_knob_is_one_error_line_with_the_suggestion(tmp_path, capsys):
+    out_dir = tmp_path / "out"
+    rc = main(["--methods", "quest", "--hyper_params", '{"quest": {"quest_token_budgt": 256}}',
+               "--out_dir", str(out_dir)])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert err == ("error: --hyper_params: quest: unknown knob 'quest_token_budgt'; "
+                   "did you mean 'quest_token_budget'?\n")
+    assert not out_dir.exists()   # rejected before anything ran
 
 
 def test_smoke_run_through_the_engine_with_a_tiny_random_model(tmp_path):

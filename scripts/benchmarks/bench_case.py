@@ -108,20 +108,6 @@ def _jsonable(obj):
     return str(obj)
 
 
-def copy_bandwidth() -> float:
-    """Bytes read + written per second by a 256 MiB copy on this machine's CPU (the best of 3): the
-    roofline's bandwidth when a case runs without a GPU."""
-    import torch
-    src = torch.ones(64 << 20, dtype=torch.float32)
-    dst = torch.empty_like(src)
-    best = float("inf")
-    for _ in range(3):
-        t = time.perf_counter()
-        dst.copy_(src)
-        best = min(best, time.perf_counter() - t)
-    return 2 * src.nbytes / best
-
-
 def environment() -> dict:
     import torch
     env = {"python": platform.python_version(), "torch": torch.__version__, "gpu": None}
@@ -193,8 +179,6 @@ def run_engine_case(case: dict) -> dict:
     llm = LLM(case["model_dir"], vllm_sparse_method=case["method"], **case["engine_kwargs"])
     result = {"resolved_config": _jsonable(llm.config), "execution_mode": llm.execution_mode,
               "dtype": _resolved_dtype(llm)}
-    if not torch.cuda.is_available():
-        result["measured_copy_bw"] = copy_bandwidth()
     accounting = llm.memory_accounting()
     stored = case.get("kv_tokens_stored")
     if stored is not None and "num_pages" in accounting:
@@ -278,8 +262,6 @@ def run_hf_case(case: dict) -> dict:
     result = {"resolved_config": {"model": case["model_dir"], "dtype": str(dtype), "attn_implementation": "sdpa",
                                   "device": device, "transformers_generate": True},
               "execution_mode": "eager", "dtype": str(dtype).replace("torch.", ""), "memory_accounting": None}
-    if device == "cpu":
-        result["measured_copy_bw"] = copy_bandwidth()
     result.update(median_metrics(runs))
     result.update(decoded_tokens=decoded, expected_decoded_tokens=case["batch"] * case["output_len"],
                   **_memory(torch))

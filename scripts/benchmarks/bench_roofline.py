@@ -8,12 +8,29 @@ What one request's decode step reads is the method's own answer: its cache manag
 metadata in token-sized units), so adding a method never edits this file. `kv_read` is that function
 with the method and its resolved config bound, or None for a dense reader (the HF baseline).
 """
+import time
 from typing import Callable
 
 from sparsevllm.models.config import config_architecture
 
 # device-to-device copy rate measured on the H200 (BENCHMARKS.md)
 DEFAULT_HBM_BW = 4.23e12
+# A CPU's copy is timed on 256 MiB, far past its caches, so it measures DRAM like a model's weights do.
+CPU_COPY_BYTES = 256 << 20
+CPU_COPY_HOW = "a 256 MiB tensor copy, bytes read + written, best of 3"
+
+
+def measure_cpu_copy_bw() -> float:
+    """This machine's memory bandwidth in bytes/s for a roofline on the CPU (CPU_COPY_HOW)."""
+    import torch
+    src = torch.ones(CPU_COPY_BYTES // 4, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(3):
+        t = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t)
+    return 2 * src.nbytes / best
 
 
 def _head_dim(cfg: dict) -> int:

@@ -24,6 +24,7 @@ import uuid
 from pathlib import Path
 
 import numpy as np
+from tqdm.auto import tqdm
 
 logger = logging.getLogger(__name__)
 
@@ -121,9 +122,10 @@ def ensure_default_model() -> Path:
     gguf_path = find_gguf()
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=final.name + ".tmp-", dir=final.parent))
-    # A warning, so a first run says why it pauses (~20 s on a laptop) without any logging set up.
-    logger.warning("Converting the default model %s to a Hugging Face folder (once; cached at %s)", gguf_path.name,
-                   final)
+    # A warning, so a first run says why it pauses (~20 s on a laptop) without any logging set up;
+    # convert_gguf's progress bar follows it.
+    logger.warning("First use of the default model: converting %s once into a Hugging Face folder "
+                   "(~540 MB of fp32 weights) at %s", gguf_path.name, final)
     start = time.perf_counter()
     try:
         convert_gguf(gguf_path, tmp)
@@ -186,8 +188,27 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     meta = {name: field.contents() for name, field in reader.fields.items()}
     config = build_config(meta, has_lm_head=any(t.name == "output.weight" for t in reader.tensors))
 
+    # Dequantising is nearly all of the conversion's time; writing the file takes a few seconds more.
+    with tqdm(total=4 * sum(int(t.n_elements) for t in reader.tensors), unit="B", unit_scale=True,
+              desc=f"dequantising {gguf_path.name}") as bar:
+        tensors = dequantize_tensors(reader.tensors, config, bar)
+        bar.set_description("writing model.safetensors")
+        save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+
+    write_json(out_dir / "config.json", config)
+    write_json(
+        out_dir / "generation_config.json",
+        {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")},
+    )
+    write_tokenizer(meta, out_dir, model_max_length=config["max_position_embeddings"])
+
+
+def dequantize_tensors(gguf_tensors, config: dict, bar) -> dict[str, np.ndarray]:
+    """{HF name: fp32 array} of the GGUF's tensors; `bar` advances by each tensor's fp32 bytes."""
+    import gguf
+
     tensors = {}
-    for tensor in reader.tensors:
+    for tensor in gguf_tensors:
         weight = np.asarray(gguf.quants.dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
         name = hf_tensor_name(tensor.name)
         # llama.cpp's converter interleaves the two rotary halves of each Q/K head; HF Llama
@@ -197,14 +218,8 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
         elif name.endswith("k_proj.weight"):
             weight = unpermute_rotary_rows(weight, config["num_key_value_heads"])
         tensors[name] = np.ascontiguousarray(weight)
-    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
-
-    write_json(out_dir / "config.json", config)
-    write_json(
-        out_dir / "generation_config.json",
-        {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")},
-    )
-    write_tokenizer(meta, out_dir, model_max_length=config["max_position_embeddings"])
+        bar.update(weight.nbytes)
+    return tensors
 
 
 def hf_tensor_name(gguf_name: str) -> str:

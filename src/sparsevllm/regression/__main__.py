@@ -24,28 +24,39 @@ def comma_list(text: str) -> list[str]:
     return [t.strip() for t in text.split(",") if t.strip()]
 
 
+def json_value(text: str):
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        # argparse prefixes "argument --hyper_params: "; its default "invalid loads value" hides why.
+        raise argparse.ArgumentTypeError(f"not valid JSON ({e}): {text!r}") from None
+
+
 def parse_args(argv=None) -> RunConfig:
     p = argparse.ArgumentParser(
         prog="python -m sparsevllm.regression",
-        description="Accuracy of sparse KV methods against vanilla on long-context tasks.")
+        description="Accuracy of sparse KV methods against vanilla on long-context tasks.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    # List and JSON defaults are written as the text a user would type: argparse runs a string
+    # default through `type`, and --help then shows "1k,2k,4k" rather than "[1024, 2048, 4096]".
     p.add_argument("--model", default=None,
-                   help="HF model folder; default: the embedded SmolLM2-135M-Instruct")
-    p.add_argument("--methods", type=comma_list, default=["vanilla"],
+                   help="HF model folder (None: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--methods", type=comma_list, default="vanilla",
                    help="comma-separated methods; vanilla is always run as the reference")
-    p.add_argument("--tasks", type=comma_list, default=list(DEFAULT_TASKS),
+    p.add_argument("--tasks", type=comma_list, default=",".join(DEFAULT_TASKS),
                    help="comma-separated task names, or LongBench JSONL files 'path.jsonl[:metric]' "
-                        "(metric: contains, contains_all, exact, f1, rouge_l; default f1). "
-                        f"Default: {','.join(DEFAULT_TASKS)}")
+                        "(metric: contains, contains_all, exact, f1, rouge_l; default f1)")
     p.add_argument("--lengths", type=lambda s: [parse_length(x) for x in comma_list(s)],
-                   default=[1024, 2048, 4096], help="target prompt lengths in tokens (e.g. 1k,2k,4k)")
+                   default="1k,2k,4k", help="target prompt lengths in tokens (4k = 4096)")
     p.add_argument("--samples", type=int, default=20, help="samples per task and length")
-    p.add_argument("--hyper_params", type=json.loads, default={},
+    p.add_argument("--hyper_params", type=json_value, default="{}",
                    help="JSON engine/method knobs; a method-name key holds that method's overrides, "
                         "a list value is swept, e.g. "
                         "'{\"max_num_seqs\": 8, \"quest\": {\"quest_token_budget\": [256, 512]}}'")
     p.add_argument("--out_dir", default="regression_out",
                    help="output folder; rerunning with the same folder resumes")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the generated samples (synthetic tasks and fidelity windows)")
     p.add_argument("--no_chat_template", action="store_true",
                    help="plain-text prompts even when the tokenizer has a chat template")
     p.add_argument("--tolerance", type=float, default=5.0,
@@ -64,7 +75,12 @@ def parse_args(argv=None) -> RunConfig:
 def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     config = parse_args(argv)
-    summary = Runner(config).run()
+    try:
+        runner = Runner(config)   # checks every argument and knob before anything runs
+    except (ValueError, TypeError) as e:   # a user's mistake: the message, not a traceback
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    summary = runner.run()
     with open(f"{config.out_dir}/summary.md") as f:
         print(f.read())
     return 0 if summary["pass"] else 1
