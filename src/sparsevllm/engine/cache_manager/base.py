@@ -1,28 +1,15 @@
-"""CacheManager: the hook contract every sparse method implements, with dense (vanilla) defaults.
+"""CacheManager: the hooks every sparse method implements, with dense (vanilla) defaults.
 
-Who calls what, and when (`LLMEngine.step` shows the whole lifecycle in one place):
-- the scheduler asks `chunk_size`, `can_admit`, `allocate`, `reserve` and `free`; it never reads KV;
-- the engine asks `request_error` when a request arrives (capacity a method owns, e.g. host memory);
-- once per step: the model runner builds the step's generic inputs (`ModelRunner.prepare_step`, from
-  the requests' counters and `tables`) and calls `on_step_begin` (the method's extras and per-step
-  state); the engine runs the forward, then `on_step_end` (eviction / compaction after the forward),
-  then `commit` for every request of the step (counters advance, full raw pages are named for the
-  prefix cache). Per-step state lives on the step (`step.extras`, `step.scratch`), never here;
-- inside the forward the generic Attention calls, per layer: `store_kv` (RoPE + the write into the
-  cache; on decode steps the model's qkv projection may do it instead, where `store_target` names
-  the cache), `on_kv_stored`, then `observe_prefill_queries` + `prefill_view` (prefill) or
-  `build_decode_view` (decode).
-Under overlapped scheduling the host runs all of this for step t + 1 while the GPU still runs step t:
-`on_step_end` and `commit` see the counters of every step launched so far, and a request's newest
-token may still be on the device (`seq.num_pending_tokens`); its id reaches the host one step later.
-Host hooks therefore never read sampled token ids of the step in flight, and decode hooks do
-tensor work only (no host syncs): decode steps are captured into CUDA graphs.
-
-Under tensor parallelism (engine/tensor_parallel.py) every rank has its own cache manager over its
-KV heads; rank 0's scheduler-facing calls (`allocate`, `reserve`, `free`, `commit`) are replayed on
-the other ranks before each step, and every rank builds the step, runs the forward and `on_step_end`.
-Host decisions must therefore follow from counters, refcounts and token ids alone (then they agree);
-a selection shared by all heads combines scores across ranks (`distributed.combine_shared_scores`).
+docs/design.md is the contract: who calls each hook, when, and what it may do (section 4), the
+step's lifecycle (section 3) and the rules for CUDA graphs, overlapped scheduling and tensor
+parallelism (section 6). In short: the scheduler asks for capacity (`can_admit`, `allocate`,
+`reserve`, `free`); the runner builds each step and calls `on_step_begin`; the generic Attention
+calls the per-layer hooks (`store_kv`, `on_kv_stored`, `observe_prefill_queries`, `prefill_view`,
+`build_decode_view`); the engine calls `on_step_end`, then `commit` per request. What one hook hands
+a later hook of the same step lives on the step (`step.extras`, `step.scratch`); host hooks never
+read token ids of the step in flight and never synchronise; decode hooks are tensor work only (they
+are captured into CUDA graphs); host decisions follow from counters, refcounts and token ids alone,
+so tensor-parallel ranks replaying them agree.
 
 A method subclasses CacheManager, declares its knobs (`config_cls`), its prefill policy, its
 capabilities and what one decode step reads (`decode_kv_tokens_read`, for the benchmark's
