@@ -520,7 +520,7 @@ def check_views(llm, log):
     captured = {}
 
     def build_logged(layer_id, q, step):
-        if cm.roles[layer_id] == ("full", 1):
+        if cm.roles[layer_id][0] == "filter" and cm.roles[min(layer_id + 1, cm.num_layers - 1)][0] == "sparse":
             captured["q"], captured["layer"] = q.clone(), layer_id
         return build(layer_id, q, step)
 

@@ -282,7 +282,7 @@ def test_rank_0_failing_mid_forward_raises_instead_of_hanging(tiny_model, monkey
 def test_rank_0_failing_while_building_raises_instead_of_hanging(tiny_model, monkeypatch):
     """Rank 0 fails building its runner while the followers wait in the KV-page agreement."""
     from sparsevllm.engine.model_runner import ModelRunner
-    monkeypatch.setattr(ModelRunner, "_num_kv_pages", lambda self, cls: (_ for _ in ()).throw(MemoryError("rank 0")))
+    monkeypatch.setattr(ModelRunner, "num_kv_pages", lambda self, cls: (_ for _ in ()).throw(MemoryError("rank 0")))
     error = _within(60, lambda: LLM(tiny_model("llama"), tensor_parallel_size=2, num_kv_pages=32))
     assert isinstance(error, MemoryError)
 
