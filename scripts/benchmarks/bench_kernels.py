@@ -436,7 +436,7 @@ def bench_prefill(results, gen, chunk, contexts):
            "triton_ms": round(tri, 4), "varlen_tflops": round(flops / var / 1e9, 1),
            "triton_tflops": round(flops / tri / 1e9, 1),
            "varlen_backend": varlen_backend(q),
-           "varlen_failed": sorted(pa._varlen_broken), "varlen_params": sorted(pa._VARLEN_PARAMS)}
+           "varlen_failed": sorted(pa._varlen_broken), "varlen_params": sorted(pa.varlen_backends()[1])}
     results.append(row)
     print("prefill", row, flush=True)
 
@@ -446,8 +446,8 @@ def varlen_backend(q):
     it): the first present one that has not failed."""
     if not (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)):
         return "reference"
-    for name, present in (("sdpa", True), ("torch varlen_attn", pa._torch_varlen_attn is not None),
-                          ("flash_attn", pa._flash_varlen is not None)):
+    for name, present in (("sdpa", True), ("torch varlen_attn", pa.varlen_backends()[0] is not None),
+                          ("flash_attn", pa.varlen_backends()[2] is not None)):
         if present and name not in pa._varlen_broken:
             return name
     return "reference"

@@ -86,7 +86,7 @@ def engine_prefill(cfg: dict, folder: str, length: int, chunk: int, hyper: dict)
 
 
 def attention_backends(cfg: dict, length: int) -> dict:
-    from sparsevllm.kernels.prefill_attention import _torch_varlen_attn, _varlen_torch
+    from sparsevllm.kernels.prefill_attention import _varlen_torch, varlen_backends
     hq, hkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     d = cfg.get("head_dim") or cfg["hidden_size"] // hq
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -98,7 +98,7 @@ def attention_backends(cfg: dict, length: int) -> dict:
     flops, out = attention_flops(cfg, length), {}
     cu = torch.tensor([0, length], dtype=torch.int32, device="cuda")
     cases = {}
-    if _torch_varlen_attn is not None:
+    if varlen_backends()[0] is not None:
         cases["varlen_attn"] = lambda: _varlen_torch(q, k, v, cu, length, d ** -0.5)
     for name, backend in (("sdpa_flash", SDPBackend.FLASH_ATTENTION), ("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION),
                           ("sdpa_efficient", SDPBackend.EFFICIENT_ATTENTION)):

@@ -5,9 +5,17 @@ import os as _os
 # tokenizer parallelism.
 _os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from sparsevllm.llm import LLM  # noqa: E402
 from sparsevllm.method_registry import available_methods  # noqa: E402
 from sparsevllm.sampling_params import SamplingParams  # noqa: E402
 
 __all__ = ["LLM", "SamplingParams", "available_methods"]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    # LLM brings torch and the engine: imported on first use, so `python -m sparsevllm --help` and
+    # the other entry points' help answer without them.
+    if name == "LLM":
+        from sparsevllm.llm import LLM
+        return LLM
+    raise AttributeError(f"module 'sparsevllm' has no attribute {name!r}")

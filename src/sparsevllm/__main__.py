@@ -5,7 +5,7 @@ import logging
 import sys
 import time
 
-from sparsevllm import LLM, SamplingParams, available_methods
+from sparsevllm import SamplingParams, available_methods
 
 
 def main(argv=None) -> int:
@@ -28,6 +28,7 @@ def main(argv=None) -> int:
         ap.error(f"--hyper_params is not valid JSON ({e}): {args.hyper_params!r}")
     if not isinstance(knobs, dict):
         ap.error(f"--hyper_params must be a JSON object of knob: value, got {args.hyper_params!r}")
+    from sparsevllm import LLM   # torch and the engine: not needed for --help or a usage error
     try:
         if args.tp != 1:
             knobs["tensor_parallel_size"] = args.tp

@@ -3,37 +3,47 @@ EngineConfig. The class carries its config dataclass, prefill policy and capabil
 is what LLM(), the benchmark and the regression harness enumerate. Adding a method: its module in
 engine/cache_manager/ and one entry below.
 
-Imports run one way: config <- cache managers <- this module, so nothing below imports it back.
+A class is imported when it is first asked for: a cache manager pulls in torch and the kernels,
+and naming the methods (every --help does) must not. Imports run one way: config <- cache managers
+<- this module, so nothing below imports it back.
 """
 import difflib
+import importlib
+from typing import TYPE_CHECKING
 
 from sparsevllm.config import ENGINE_KNOBS, EngineConfig
-from sparsevllm.engine.cache_manager.base import CacheManager
-from sparsevllm.engine.cache_manager.deltakv import DeltaKVCacheManager
-from sparsevllm.engine.cache_manager.hisparse import HiSparseCacheManager
-from sparsevllm.engine.cache_manager.omnikv import OmniKVCacheManager
-from sparsevllm.engine.cache_manager.quest import QuestCacheManager
-from sparsevllm.engine.cache_manager.snapkv import SnapKVCacheManager
-from sparsevllm.engine.cache_manager.vanilla import VanillaCacheManager
 
-METHODS: dict[str, type[CacheManager]] = {
-    cls.method_name: cls for cls in (VanillaCacheManager, SnapKVCacheManager, QuestCacheManager, OmniKVCacheManager,
-                                     DeltaKVCacheManager, HiSparseCacheManager)}
+if TYPE_CHECKING:
+    from sparsevllm.engine.cache_manager.base import CacheManager
+
+REGISTRY = {
+    "vanilla": "sparsevllm.engine.cache_manager.vanilla:VanillaCacheManager",
+    "snapkv": "sparsevllm.engine.cache_manager.snapkv:SnapKVCacheManager",
+    "quest": "sparsevllm.engine.cache_manager.quest:QuestCacheManager",
+    "omnikv": "sparsevllm.engine.cache_manager.omnikv:OmniKVCacheManager",
+    "deltakv": "sparsevllm.engine.cache_manager.deltakv:DeltaKVCacheManager",
+    "hisparse": "sparsevllm.engine.cache_manager.hisparse:HiSparseCacheManager",
+}
 
 
 def available_methods() -> list[str]:
-    return sorted(METHODS)
+    return sorted(REGISTRY)
 
 
-def get_method(name: str) -> type[CacheManager]:
-    if not isinstance(name, str) or name not in METHODS:
-        raise ValueError(f"unknown vllm_sparse_method {name!r}; registered methods: {', '.join(sorted(METHODS))}")
-    return METHODS[name]
+def get_method(name: str) -> "type[CacheManager]":
+    if not isinstance(name, str) or name not in REGISTRY:
+        raise ValueError(f"unknown vllm_sparse_method {name!r}; registered methods: {', '.join(sorted(REGISTRY))}")
+    module, cls = REGISTRY[name].split(":")
+    return getattr(importlib.import_module(module), cls)
+
+
+def methods() -> "dict[str, type[CacheManager]]":
+    return {name: get_method(name) for name in REGISTRY}
 
 
 def method_knob_owners() -> dict[str, str]:
     """Every method knob -> the method that owns it (knobs are flat LLM(...) keyword arguments)."""
-    return {knob: name for name, cls in METHODS.items() for knob in cls.config_cls.knob_names()}
+    return {knob: name for name, cls in methods().items() for knob in cls.config_cls.knob_names()}
 
 
 def make_config(model: str | None = None, vllm_sparse_method: str | None = None, **knobs) -> EngineConfig:

@@ -11,6 +11,7 @@ cuDNN's kernel on the H200: 634 TFLOP/s for one 32K causal sequence, where varle
 flash kernel reach 347; scripts/benchmarks/profile_prefill.py), else to varlen_attn
 (FlashAttention-2 inside PyTorch) or flash_attn.flash_attn_varlen_func, else the reference.
 """
+import functools
 import inspect
 import logging
 
@@ -21,16 +22,22 @@ from sparsevllm.kernels.common import dot_precision, jit, pow2, tl, upcast_loads
 
 logger = logging.getLogger(__name__)
 
-try:
-    from torch.nn.attention.varlen import varlen_attn as _torch_varlen_attn
-    _VARLEN_PARAMS = set(inspect.signature(_torch_varlen_attn).parameters)
-except ImportError:
-    _torch_varlen_attn, _VARLEN_PARAMS = None, set()
 
-try:
-    from flash_attn import flash_attn_varlen_func as _flash_varlen
-except ImportError:
-    _flash_varlen = None
+@functools.cache
+def varlen_backends() -> tuple:
+    """(torch's varlen_attn, its parameter names, flash_attn's varlen function), None where absent.
+    Imported on first use, not with the package: torch.nn.attention.varlen pulls in torch._dynamo,
+    about a second of every `import sparsevllm` (and of every --help)."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+        params = set(inspect.signature(varlen_attn).parameters)
+    except ImportError:
+        varlen_attn, params = None, set()
+    try:
+        from flash_attn import flash_attn_varlen_func
+    except ImportError:
+        flash_attn_varlen_func = None
+    return varlen_attn, params, flash_attn_varlen_func
 
 # Launch settings: the best of a sweep on the H200 (scripts/benchmarks/bench_kernels.py --sweep).
 BLOCK_M = 128
@@ -172,29 +179,30 @@ def prefill_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
 def _varlen_torch(q, k, v, cu_seqlens, max_seqlen, scale):
     """torch.nn.attention.varlen.varlen_attn across its API versions (is_causal in early
     releases, window_size/scale/enable_gqa later)."""
+    varlen_attn, params, _ = varlen_backends()
     kwargs = {}
     Hq, Hkv = q.shape[1], k.shape[1]
     if Hkv != Hq:
-        if "enable_gqa" in _VARLEN_PARAMS:
+        if "enable_gqa" in params:
             kwargs["enable_gqa"] = True
         else:
             k = k.repeat_interleave(Hq // Hkv, dim=1)
             v = v.repeat_interleave(Hq // Hkv, dim=1)
-    if "scale" in _VARLEN_PARAMS:
+    if "scale" in params:
         kwargs["scale"] = scale
     else:  # its default scale is 1/sqrt(D)
         q = q * (scale * q.shape[-1] ** 0.5)
-    if "window_size" in _VARLEN_PARAMS:
+    if "window_size" in params:
         kwargs["window_size"] = (-1, 0)
     else:
         kwargs["is_causal"] = True
     cu = cu_seqlens.to(torch.int32)
-    return _torch_varlen_attn(q, k, v, cu, cu, max_seqlen, max_seqlen, **kwargs)
+    return varlen_attn(q, k, v, cu, cu, max_seqlen, max_seqlen, **kwargs)
 
 
 def _varlen_flash(q, k, v, cu_seqlens, max_seqlen, scale):
     cu = cu_seqlens.to(torch.int32)
-    return _flash_varlen(q, k, v, cu, cu, max_seqlen, max_seqlen, softmax_scale=scale, causal=True)
+    return varlen_backends()[2](q, k, v, cu, cu, max_seqlen, max_seqlen, softmax_scale=scale, causal=True)
 
 
 def _sdpa_per_sequence(q, k, v, cu_seqlens, max_seqlen, scale, seq_lens):
@@ -221,9 +229,10 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     ran a 32K causal prefill at 1.8x varlen_attn's rate. A backend that fails (old GPU, unsupported
     head size) is logged once and skipped."""
     if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
+        torch_varlen, _, flash_varlen = varlen_backends()
         for name, fn in (("sdpa", seq_lens is not None and _sdpa_per_sequence),
-                         ("torch varlen_attn", _torch_varlen_attn and _varlen_torch),
-                         ("flash_attn", _flash_varlen and _varlen_flash)):
+                         ("torch varlen_attn", torch_varlen and _varlen_torch),
+                         ("flash_attn", flash_varlen and _varlen_flash)):
             if not fn or name in _varlen_broken:
                 continue
             try:

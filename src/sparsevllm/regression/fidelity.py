@@ -7,13 +7,14 @@ row by row with vanilla's: top-1 agreement (argmax equal) and KL(vanilla || meth
 the continuation. Unlike the retrieval tasks this sees every change a method makes to the output
 distribution, not only the ones that flip an answer.
 """
-
-import torch
-import torch.nn.functional as F
+from typing import TYPE_CHECKING
 
 from sparsevllm.regression.prompts import Sample
 from sparsevllm.regression.tasks import sample_rng
 from sparsevllm.regression.text import pydoc_text
+
+if TYPE_CHECKING:
+    import torch
 
 FIDELITY_TOKENS = 32
 # log-probs below this are clamped before the KL so a method that assigns exactly zero
@@ -54,12 +55,14 @@ def fidelity_sample(tokenizer, length: int, index: int, seed: int, *, name: str 
                   meta={"start_token": start, "prompt_tokens": len(prompt_ids)})
 
 
-def compare(reference: torch.Tensor, logprobs: torch.Tensor, continuation: list[int]) -> dict:
+def compare(reference: "torch.Tensor", logprobs: "torch.Tensor", continuation: list[int]) -> dict:
     """Row-wise comparison of a method's log-probs [n, vocab] with vanilla's.
 
     Returns top-1 agreement with vanilla, mean KL(vanilla || method) in nats, and the method's
     own top-1 accuracy on the real text (a sanity figure: vanilla's shows what the model can do).
     """
+    import torch   # here, not at the top: the harness's --help imports this module
+    import torch.nn.functional as F
     if reference.shape != logprobs.shape:
         raise ValueError(f"log-prob shapes differ: vanilla {tuple(reference.shape)}, "
                          f"method {tuple(logprobs.shape)}")

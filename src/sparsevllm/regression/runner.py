@@ -13,7 +13,6 @@ import os
 import time
 from dataclasses import asdict, dataclass, field
 
-import torch
 from tqdm.auto import tqdm
 
 from sparsevllm.regression import report
@@ -181,6 +180,7 @@ class Runner:
 
     def _load_reference(self, variant: Variant, task: str, length: int) -> dict:
         path = self._reference_path(variant, task, length)
+        import torch
         return torch.load(path) if os.path.exists(path) else {}
 
     def _write_status(self, status: str, started: float, errors: list[str]) -> None:
@@ -267,6 +267,7 @@ class Runner:
                 bar.update(len(chunk))
         del llm
         gc.collect()
+        import torch
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
         return errors
@@ -326,5 +327,6 @@ class Runner:
                 text_top1=result["text_top1"], latency_s=wall / len(chunk)))
         if is_reference:
             os.makedirs(self.reference_dir, exist_ok=True)
+            import torch
             torch.save(refs, self._reference_path(variant, chunk[0].task, chunk[0].length))
         return records

@@ -33,10 +33,10 @@ def list_valued_knobs() -> set[str]:
     try:
         from dataclasses import fields
 
-        from sparsevllm.method_registry import METHODS
+        from sparsevllm.method_registry import methods
     except ImportError:
         return set()
-    return {f.name for cls in METHODS.values() for f in fields(cls.config_cls)
+    return {f.name for cls in methods().values() for f in fields(cls.config_cls)
             if "list" in str(f.type)}
 
 

@@ -14,9 +14,6 @@ import json
 import os
 import sys
 
-from sparsevllm.engine.async_engine import AsyncLLM
-from sparsevllm.serve.app import build_app
-
 
 def parse_knobs(extra: list[str], hyper_params: str) -> dict:
     """`--name value` pairs (name with - or _, value as JSON where it parses) and --hyper-params JSON."""
@@ -55,10 +52,12 @@ def main(argv=None) -> int:
                     help="tensor-parallel ranks, one process and one GPU each (default: 1)")
     ap.add_argument("--hyper-params", default="{}", help="JSON of engine and method knobs")
     args, extra = ap.parse_known_args(argv)
-    try:
+    try:   # the server's and the engine's imports (torch, fastapi) wait until --help has answered
         import uvicorn
 
         from sparsevllm import LLM
+        from sparsevllm.engine.async_engine import AsyncLLM
+        from sparsevllm.serve.app import build_app
         knobs = parse_knobs(extra, args.hyper_params)
         if args.tensor_parallel_size != 1:
             knobs["tensor_parallel_size"] = args.tensor_parallel_size

@@ -25,7 +25,8 @@ import time
 import torch
 
 from sparsevllm import LLM, SamplingParams
-from sparsevllm.engine.cache_manager.omnikv import default_filter_layers, layer_roles
+from sparsevllm.engine.cache_manager.cross_layer import layer_roles
+from sparsevllm.engine.cache_manager.omnikv import default_filter_layers
 
 logger = logging.getLogger(__name__)
 
