@@ -108,6 +108,8 @@ def test_trainer_loss_falls_and_resumes(tiny_model, tmp_path, capsys):
     assert last["mse"] < first["mse"] and (last["ce"] + last["mse"]) < (first["ce"] + first["mse"])
     cfg = json.loads((out / "compressor.json").read_text())
     assert cfg["training"]["steps"] == 12 and cfg["layers"] == [1, 2] and cfg["latent_dim"] == 16
+    held = cfg["training"]["held_out"]   # judged on windows it did not train on, beside the dense model
+    assert held["windows"] == 4 and held["ce_dense"] > 0 and held["ce_compressed"] > 0 and held["mse"] > 0
     dc.load(str(out), ModelConfig.from_dict(read_config_json(path)))
     capsys.readouterr()
     assert train_deltakv.main(args + ["--evaluate", "2"]) == 0                  # held-out CE, nothing trained
@@ -212,3 +214,24 @@ def test_trainer_reads_raw_kv_inside_the_recent_window_and_reconstructions_beyon
         torch.testing.assert_close(got[:, :same_until], want[:, :same_until], atol=1e-4, rtol=1e-4)
         if same_until < ids.shape[1]:
             assert (got[:, same_until:] - want[:, same_until:]).abs().amax() > 1e-2
+
+
+@pytest.mark.parametrize("training,warned", [
+    (None, None),                                                                   # no record: not judged
+    (dict(steps=20, dense_ce_first_batch=2.6, final_losses_mean_last10=dict(ce=3.4)), ["20 steps", "training"]),
+    (dict(steps=900, held_out=dict(ce_dense=2.371, ce_compressed=2.340)), None),   # the README's 900-step one
+    (dict(steps=900, held_out=dict(ce_dense=2.371, ce_compressed=2.9)), ["held-out cross-entropy 2.900"]),
+])
+def test_an_under_trained_compressor_is_named_at_load(tiny_model, tmp_path, caplog, training, warned):
+    """The engine warns, before any weight loads, when the compressor's own training record says it
+    is under-trained (too few steps, or cross-entropy well above the dense model's)."""
+    from sparsevllm import LLM
+    path = tiny_model("llama", num_hidden_layers=3)
+    cfg = dc.make_config(ModelConfig.from_dict(read_config_json(path)), latent_dim=4, full_layers=[0])
+    dc.DeltaKVCompressor(cfg).save(str(tmp_path / "c"), {"training": training} if training else None)
+    assert (dc.training_warning(json.loads((tmp_path / "c" / "compressor.json").read_text())) is None) == (not warned)
+    with caplog.at_level("WARNING"):
+        LLM(path, vllm_sparse_method="deltakv", device="cpu", deltakv_compressor_path=str(tmp_path / "c"))
+    messages = [r.getMessage() for r in caplog.records if "under-trained" in r.getMessage()]
+    assert len(messages) == (1 if warned else 0)
+    assert all(w in messages[0] for w in warned or [])

@@ -47,8 +47,9 @@ def main(argv=None) -> int:
     for prompt, out in zip(args.prompts, outs):
         print(f"--- {prompt!r}\n{out.outputs[0].text if not out.error else 'ERROR: ' + out.error}")
     n = sum(len(o.outputs[0].token_ids) for o in outs)
-    print(f"[{args.method}, {llm.execution_mode}, {llm.engine.model_runner.device}] "
-          f"{n} tokens in {elapsed:.2f} s")
+    runner = llm.engine.model_runner
+    where = f"cpu, {runner.threads} thread{'s' * (runner.threads > 1)}" if runner.device.type == "cpu" else runner.device
+    print(f"[{args.method}, {llm.execution_mode}, {where}] {n} tokens in {elapsed:.2f} s")
     return 0
 
 

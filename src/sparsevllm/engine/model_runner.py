@@ -2,6 +2,8 @@
 No method branches here: methods act only through the cache manager's hooks."""
 import gc
 import logging
+import os
+import time
 
 import numpy as np
 import torch
@@ -34,6 +36,40 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def busy_cores(cores: list[int], interval: float = 0.1) -> float | None:
+    """How many of these CPUs other work keeps busy, measured over `interval` seconds from
+    /proc/stat while this process sleeps; None where that cannot be read (not Linux)."""
+    def sample():
+        try:
+            with open("/proc/stat") as f:
+                rows = {r.split()[0]: [int(x) for x in r.split()[1:9]] for r in f if r.startswith("cpu")}
+            return [(sum(rows[f"cpu{c}"]), rows[f"cpu{c}"][3] + rows[f"cpu{c}"][4]) for c in cores]
+        except (OSError, KeyError, ValueError, IndexError):
+            return None
+    before = sample()
+    time.sleep(interval)
+    after = sample()
+    if before is None or after is None:
+        return None
+    return sum(1 - (i1 - i0) / max(t1 - t0, 1) for (t0, i0), (t1, i1) in zip(before, after))
+
+
+def cpu_threads() -> tuple[int, str]:
+    """Intra-op threads for a CPU engine, and why. OMP_NUM_THREADS where it is set; else the cores
+    of this process's affinity that other work leaves free (at least one), and never more than
+    torch has now (a caller's torch.set_num_threads stands). Torch's default, every core, collapses
+    where other jobs hold some: its threads wait for each other at every operator (an 8-token reply
+    took 10-16 s on a 2-core machine beside one other job, 1.9 s with one thread)."""
+    if os.environ.get("OMP_NUM_THREADS"):
+        return torch.get_num_threads(), "OMP_NUM_THREADS"
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    busy = busy_cores(cores)
+    if busy is None:
+        return torch.get_num_threads(), "torch's default"
+    free = max(1, round(len(cores) - busy))
+    return min(free, torch.get_num_threads()), f"{busy:.1f} of {len(cores)} cores busy"
+
+
 def make_cache_manager(config: EngineConfig, model_config: ModelConfig, runner: "ModelRunner") -> CacheManager:
     """The one place a rank's cache manager is built: the method's class (config.method) over the KV
     pages this rank's memory holds beside its weights, then bound to the runner's attention layers."""
@@ -49,6 +85,11 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, model_path: str, model_config: ModelConfig):
         self.config, self.model_config = config, model_config
         self.device = resolve_device(config.device)
+        self.threads = None
+        if self.device.type == "cpu":
+            self.threads, why = cpu_threads()
+            torch.set_num_threads(self.threads)
+            logger.info("%d CPU threads (%s)", self.threads, why)
         self.dtype = DTYPES[config.dtype] if config.dtype != "auto" else (
             torch.bfloat16 if self.device.type == "cuda" else torch.float32)
         model_cls = get_model_class(model_config.architecture)

@@ -142,26 +142,27 @@ def token_stream(tokenizer, path: str | None) -> tuple[torch.Tensor, str]:
     return torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long), source
 
 
-def evaluate(model, compressor: DeltaKVCompressor, tokens: torch.Tensor, args) -> int:
-    """The frozen model's next-token cross-entropy on held-out windows, dense and reading the
-    compressor's reconstructions as the engine would (raw within --recent), with the MSE."""
-    gen = torch.Generator().manual_seed(args.seed + 1)
-    starts = torch.randint(0, tokens.numel() - args.seq_len - 1, (args.evaluate,), generator=gen).tolist()
-    state = attach(model, compressor, args.recent)
+HELD_OUT_WINDOWS = 4   # windows the trained compressor is judged on, recorded in its compressor.json
+
+
+def held_out(model, state: dict, tokens: torch.Tensor, seq_len: int, windows: int, seed: int) -> dict:
+    """The frozen model's next-token cross-entropy on windows the training did not draw (seed + 1),
+    dense and reading the compressor's reconstructions as the engine would (raw within the window
+    `attach` was given), with the MSE."""
+    gen = torch.Generator().manual_seed(seed + 1)
+    starts = torch.randint(0, tokens.numel() - seq_len - 1, (windows,), generator=gen).tolist()
     dense, compressed, mse = [], [], []
     with torch.no_grad():
         for s in starts:
-            ids = tokens[s:s + args.seq_len + 1].view(1, -1).to(next(model.parameters()).device)
+            ids = tokens[s:s + seq_len + 1].view(1, -1).to(next(model.parameters()).device)
             state["bypass"] = True
             dense.append(model(input_ids=ids, labels=ids).loss.item())
             state["bypass"], state["mse"] = False, []
             compressed.append(model(input_ids=ids, labels=ids).loss.item())
             mse.append(torch.stack(state["mse"]).mean().item())
-    means = {name: round(sum(xs) / len(xs), 4) for name, xs in (("ce_dense", dense), ("ce_compressed", compressed),
-                                                                 ("mse", mse))}
-    print(json.dumps({"compressor": args.out, "windows": len(starts), "seq_len": args.seq_len, "recent": args.recent,
-                      **means}))
-    return 0
+    return {"windows": len(starts), "seq_len": seq_len,
+            **{name: round(sum(xs) / len(xs), 4) for name, xs in (("ce_dense", dense), ("ce_compressed", compressed),
+                                                                    ("mse", mse))}}
 
 
 def main(argv=None) -> int:
@@ -230,7 +231,10 @@ def main(argv=None) -> int:
     if tokens.numel() <= args.seq_len + 1:
         ap.error(f"the data holds {tokens.numel()} tokens, fewer than --seq_len + 1")
     if args.evaluate:
-        return evaluate(model, load(args.out, model_config).to(device), tokens, args)
+        state = attach(model, load(args.out, model_config).to(device), args.recent)
+        print(json.dumps({"compressor": args.out, "recent": args.recent,
+                          **held_out(model, state, tokens, args.seq_len, args.evaluate, args.seed)}))
+        return 0
     compressor = DeltaKVCompressor(cfg).to(device)
     state = attach(model, compressor, args.recent)
     opt = torch.optim.AdamW(compressor.parameters(), lr=args.lr)
@@ -282,18 +286,19 @@ def main(argv=None) -> int:
     elapsed = time.perf_counter() - t0
     last = history[-min(10, len(history)):] if history else []
     final = {k: sum(h[k] for h in last) / max(len(last), 1) for k in ("ce", "mse")}
+    judged = held_out(model, state, tokens, args.seq_len, HELD_OUT_WINDOWS, args.seed)
     compressor.save(args.out, {"training": {"data": source, "steps": args.steps, "batch_size": args.batch_size,
                                             "seq_len": args.seq_len, "lr": args.lr, "mse_weight": args.mse_weight,
                                             "recent": args.recent,
                                             "seed": args.seed, "device": device, "seconds_this_run": round(elapsed, 1),
                                             "first_losses": history[0] if history else None,
                                             "dense_ce_first_batch": dense_ce,
-                                            "final_losses_mean_last10": final}})
+                                            "final_losses_mean_last10": final, "held_out": judged}})
     with open(os.path.join(args.out, "history.json"), "w") as f:
         json.dump(history, f)
     print(f"trained {args.steps} steps on {device} in {elapsed:.1f} s: ce {history[0]['ce']:.3f} -> {final['ce']:.3f} "
           f"(the dense model: {dense_ce:.3f} on the first batch), mse {history[0]['mse']:.4f} -> {final['mse']:.4f}; "
-          f"wrote {args.out}")
+          f"held out: ce {judged['ce_compressed']:.3f} (dense {judged['ce_dense']:.3f}); wrote {args.out}")
     return 0
 
 

@@ -128,6 +128,11 @@ class DeltaKVCacheManager(Compression, CacheManager):
             knobs.deltakv_full_layers = f or dc.default_full_layers(n)
             return
         cfg = dc.read_config(knobs.deltakv_compressor_path, model_config)
+        weak = dc.training_warning(cfg)
+        if weak:
+            logger.warning("deltakv_compressor_path=%r looks under-trained: %s. DeltaKV's accuracy is its "
+                           "compressor's: train it longer (python -m sparsevllm.tools.train_deltakv --out DIR "
+                           "--resume --steps N) and check it with --evaluate", knobs.deltakv_compressor_path, weak)
         full = f or sorted(set(range(n)) - set(cfg["layers"]))
         missing = sorted(set(range(n)) - set(full) - set(cfg["layers"]))
         if missing or not full or full[0] != 0:
