@@ -159,7 +159,7 @@ def test_trainer_compresses_k_after_the_k_norm_as_the_engine_sees_it(tiny_model)
     and the x it compresses holds K after the k-norm."""
     import transformers
 
-    from sparsevllm.tools import train_deltakv
+    from sparsevllm.tools import deltakv_training
     path = tiny_model("qwen3", num_hidden_layers=3)
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     ids = torch.randint(3, 250, (1, 40), generator=torch.Generator().manual_seed(0))
@@ -179,7 +179,7 @@ def test_trainer_compresses_k_after_the_k_norm_as_the_engine_sees_it(tiny_model)
     seen = []
     reconstruct = comp.reconstruct
     comp.reconstruct = lambda layer, x: seen.append((layer, x)) or reconstruct(layer, x)
-    train_deltakv.attach(model, comp)
+    deltakv_training.attach(model, comp)
     with torch.no_grad():
         got = model(input_ids=ids).logits
         model.model.layers[1].self_attn.k_proj(hidden)
@@ -195,7 +195,7 @@ def test_trainer_reads_raw_kv_inside_the_recent_window_and_reconstructions_beyon
     sequence nothing changes at all."""
     import transformers
 
-    from sparsevllm.tools import train_deltakv
+    from sparsevllm.tools import deltakv_training
     path = tiny_model(arch, num_hidden_layers=3)
     ids = torch.randint(3, 250, (2, 40), generator=torch.Generator().manual_seed(0))
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
@@ -208,7 +208,7 @@ def test_trainer_reads_raw_kv_inside_the_recent_window_and_reconstructions_beyon
             p.normal_(0, 1.0)                           # reconstructions far from the true KV
     for recent, same_until in ((12, 12), (64, 40)):
         model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-        train_deltakv.attach(model, comp, recent=recent)
+        deltakv_training.attach(model, comp, recent=recent)
         with torch.no_grad():
             got = model(input_ids=ids).logits
         torch.testing.assert_close(got[:, :same_until], want[:, :same_until], atol=1e-4, rtol=1e-4)

@@ -319,7 +319,7 @@ def test_gpu_omnikv_graph_replay_equals_eager(tiny_model):
 def test_calibration_picks_filter_layers_deterministically(tiny_model, tmp_path, capsys):
     import json
 
-    from sparsevllm.tools import omnikv_calibrate as cal
+    from sparsevllm.tools import omnikv_calibrate as cal, omnikv_calibration as calibration
     path = tiny_model("llama", num_hidden_layers=6)
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("\n".join(json.dumps({"prompt_token_ids": p}) for p in prompts_of(3)))
@@ -338,8 +338,9 @@ def test_calibration_picks_filter_layers_deterministically(tiny_model, tmp_path,
     # the greedy pick is the best pair with layer 0 first, under its own objective
     import torch
     c = torch.tensor(cov)
-    best = max(range(2, 6), key=lambda x: cal.mean_sparse_coverage(c, [0, x], 1))
-    assert filters == [0, best] or cal.mean_sparse_coverage(c, filters, 1) >= cal.mean_sparse_coverage(c, [0, best], 1)
+    best = max(range(2, 6), key=lambda x: calibration.mean_sparse_coverage(c, [0, x], 1))
+    assert filters == [0, best] or (calibration.mean_sparse_coverage(c, filters, 1)
+                                    >= calibration.mean_sparse_coverage(c, [0, best], 1))
     assert cal.main(args) == 0 and json.loads((tmp_path / "cal.json").read_text())["coverage"] == cov   # deterministic
 
 
