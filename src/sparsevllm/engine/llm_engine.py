@@ -220,11 +220,12 @@ class LLMEngine:
     def step(self) -> tuple[list[Sequence], int]:
         """One engine step; returns the requests it finished and the tokens its forward processed.
 
-        The lifecycle of a step, in order: schedule -> prepare (host inputs, the method's
-        on_step_begin) -> forward -> on_step_end -> sample -> commit (counters) are issued by
-        `_launch`; finish (learn the sampled tokens, stop conditions, free) is `_finish`. With overlapped scheduling (async_scheduling)
-        the step finished here is the one launched before: its tokens were produced by the GPU
-        while the host built this one, and this one reads them on the device.
+        The lifecycle of a step, in order (docs/design.md, section 3): schedule -> prepare (host
+        inputs, the method's on_step_begin) -> forward -> on_step_end -> sample -> commit (counters)
+        are issued by `_launch`; finish (learn the sampled tokens, stop conditions, free) is
+        `_finish`. With overlapped scheduling (async_scheduling) the step finished here is the one
+        launched before: its tokens were produced by the GPU while the host built this one, and this
+        one reads them on the device.
         """
         try:
             launched = self._launch()
