@@ -2,13 +2,7 @@
 a wrong type is a clear error naming the field, not a TypeError deep in the sampler."""
 from dataclasses import dataclass, fields
 
-
-def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _is_number(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
+from sparsevllm.config import is_int, is_number
 
 
 @dataclass
@@ -47,12 +41,12 @@ class SamplingParams:
             if not ok:
                 raise ValueError(f"SamplingParams.{field} must be {valid}, got {getattr(self, field)!r}")
 
-        need(_is_int(self.n) and self.n >= 1, "n", "an integer >= 1")
-        need(_is_number(self.temperature) and self.temperature >= 0, "temperature", ">= 0 (a number; 0 = greedy)")
-        need(_is_number(self.top_p) and 0.0 < self.top_p <= 1.0, "top_p", "a number in (0, 1]")
-        need(_is_int(self.top_k) and (self.top_k >= 1 or self.top_k == -1), "top_k", "-1 (off) or an integer >= 1")
-        need(_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens", "an integer >= 1")
-        need(_is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens, "min_tokens",
+        need(is_int(self.n) and self.n >= 1, "n", "an integer >= 1")
+        need(is_number(self.temperature) and self.temperature >= 0, "temperature", ">= 0 (a number; 0 = greedy)")
+        need(is_number(self.top_p) and 0.0 < self.top_p <= 1.0, "top_p", "a number in (0, 1]")
+        need(is_int(self.top_k) and (self.top_k >= 1 or self.top_k == -1), "top_k", "-1 (off) or an integer >= 1")
+        need(is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens", "an integer >= 1")
+        need(is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens, "min_tokens",
              f"an integer in [0, max_tokens={self.max_tokens}]")
         need(isinstance(self.ignore_eos, bool), "ignore_eos", "a bool")
         stops = [self.stop] if isinstance(self.stop, str) else self.stop
@@ -60,20 +54,20 @@ class SamplingParams:
              "stop", "a non-empty string or a list of them")
         self.stop = list(stops or [])
         need(self.stop_token_ids is None or (isinstance(self.stop_token_ids, (list, tuple))
-                                             and all(_is_int(t) and t >= 0 for t in self.stop_token_ids)),
+                                             and all(is_int(t) and t >= 0 for t in self.stop_token_ids)),
              "stop_token_ids", "a list of token ids (integers >= 0)")
         self.stop_token_ids = list(self.stop_token_ids or [])
         need(isinstance(self.include_stop_str_in_output, bool), "include_stop_str_in_output", "a bool")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            need(value is None or (_is_int(value) and value >= 0), name, "None or an integer >= 0 (top-k alternatives)")
-        need(_is_number(self.repetition_penalty) and self.repetition_penalty > 0, "repetition_penalty",
+            need(value is None or (is_int(value) and value >= 0), name, "None or an integer >= 0 (top-k alternatives)")
+        need(is_number(self.repetition_penalty) and self.repetition_penalty > 0, "repetition_penalty",
              "a number > 0 (1 = off)")
         for name in ("presence_penalty", "frequency_penalty"):
-            need(_is_number(getattr(self, name)) and -2.0 <= getattr(self, name) <= 2.0, name,
+            need(is_number(getattr(self, name)) and -2.0 <= getattr(self, name) <= 2.0, name,
                  "a number in [-2, 2] (0 = off)")
         # torch.Generator.manual_seed's range; beyond it the engine failed while queueing the request
-        need(self.seed is None or (_is_int(self.seed) and -2**63 <= self.seed < 2**64), "seed",
+        need(self.seed is None or (is_int(self.seed) and -2**63 <= self.seed < 2**64), "seed",
              "None or an integer in [-2**63, 2**64)")
         need(isinstance(self.skip_special_tokens, bool), "skip_special_tokens", "a bool")
 
