@@ -16,6 +16,7 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
+from method_knobs import METHOD_KNOBS  # noqa: E402
 from sparsevllm import LLM, SamplingParams  # noqa: E402
 from sparsevllm import deltakv_compressor as dc  # noqa: E402
 from sparsevllm.engine.cache_manager.deltakv import DeltaKVCacheManager, layer_roles  # noqa: E402
@@ -26,8 +27,7 @@ from sparsevllm.models.config import ModelConfig, read_config_json  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-SMALL = dict(deltakv_full_layers=[0, 2], deltakv_sink=4, deltakv_recent=16, deltakv_cluster_ratio=0.25,
-             deltakv_neighbors=2)
+SMALL = dict(METHOD_KNOBS["deltakv"])
 interp = pytest.mark.skipif(CUDA, reason="interpreter tests run on CPU-only machines")
 
 

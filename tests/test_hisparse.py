@@ -15,6 +15,7 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
+from method_knobs import METHOD_KNOBS  # noqa: E402
 from sparsevllm import LLM, SamplingParams  # noqa: E402
 from sparsevllm.engine.cache_manager import hisparse as hs  # noqa: E402
 from sparsevllm.kernels import hisparse as hk  # noqa: E402
@@ -23,9 +24,9 @@ from sparsevllm.method_registry import make_config  # noqa: E402
 CUDA = torch.cuda.is_available()
 P = 4
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-# 4 top-k pages + 2 recent + current = a 7-page view; a 10-page hot buffer; prompts of 40-90 pages.
-KNOBS = dict(page_size=P, hisparse_token_budget=4 * P, hisparse_recent_pages=2, hisparse_device_pages=10,
-             hisparse_min_prompt_len=64, hisparse_host_memory_gb=0.02, chunk_prefill_size=64)
+# The table's 16-token budget in pages of 4: 4 top-k pages + 2 recent + current = a 7-page view; a
+# 10-page hot buffer; prompts of 40-90 pages.
+KNOBS = dict(METHOD_KNOBS["hisparse"], page_size=P, chunk_prefill_size=64)
 
 
 def gpu(fn):

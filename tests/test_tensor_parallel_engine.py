@@ -4,6 +4,7 @@ rank's allocator back to its initial state; bad input and a failing rank raise c
 import pytest
 import torch
 
+from method_knobs import METHOD_KNOBS
 from sparsevllm import LLM, SamplingParams
 from sparsevllm.method_registry import METHODS
 
@@ -11,15 +12,15 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 SHARED = list(range(3, 43))   # a prefix two prompts share: a prefix-cache hit on every rank
 PROMPTS = [SHARED + list(range(100, 150)), list(range(60, 131)), SHARED + [9] * 30, [5, 6, 7, 8] * 6]
 
-# Small budgets, so that every method really selects (or evicts) on prompts of ~70 tokens.
+# The table's knobs with smaller budgets, so that every method really selects (or evicts) on prompts
+# of ~70 tokens.
+QUEST = dict(METHOD_KNOBS["quest"], vllm_sparse_method="quest", page_size=4, quest_token_budget=16)
 CASES = {
-    "vanilla": dict(vllm_sparse_method="vanilla"),
-    "quest": dict(vllm_sparse_method="quest", page_size=4, quest_token_budget=16, quest_skip_layers=1),
-    "quest_shared": dict(vllm_sparse_method="quest", page_size=4, quest_token_budget=16, quest_skip_layers=1,
-                         quest_selection="shared"),
-    "omnikv": dict(vllm_sparse_method="omnikv", omnikv_filter_layers=[0], omnikv_wait_layers=0,
-                   omnikv_num_selected=12),
-    "snapkv": dict(vllm_sparse_method="snapkv", page_size=4, snapkv_capacity=24, snapkv_window_size=8),
+    "vanilla": dict(METHOD_KNOBS["vanilla"], vllm_sparse_method="vanilla"),
+    "quest": QUEST,
+    "quest_shared": dict(QUEST, quest_selection="shared"),
+    "omnikv": dict(METHOD_KNOBS["omnikv"], vllm_sparse_method="omnikv", omnikv_num_selected=12),
+    "snapkv": dict(METHOD_KNOBS["snapkv"], vllm_sparse_method="snapkv", page_size=4, snapkv_capacity=24),
 }
 
 
