@@ -12,7 +12,7 @@ import torch
 from sparsevllm.outputs import CompletionOutput, RequestOutput
 
 sys.path.insert(0, os.path.dirname(__file__))
-from test_regression_fixtures import build_tiny_llama, build_tokenizer  # noqa: E402
+from regression_fixtures import build_tiny_llama, build_tokenizer  # noqa: E402
 
 from sparsevllm.regression import runner as runner_module  # noqa: E402
 from sparsevllm.regression.__main__ import parse_args  # noqa: E402

@@ -217,7 +217,7 @@ def tiny_server(tmp_path_factory):
     import os
     import sys
     sys.path.insert(0, os.path.dirname(__file__))
-    from test_regression_fixtures import build_tiny_llama
+    from regression_fixtures import build_tiny_llama
     llm = LLM(build_tiny_llama(str(tmp_path_factory.mktemp("tinytok")), max_position_embeddings=256), device="cpu")
     async_llm = AsyncLLM(llm.engine)
     port = free_port()
