@@ -341,6 +341,7 @@ def check_same(reqs: list[Request], a: Outcome, b: Outcome, skip: set[int]) -> N
             assert a.outputs[i] == b.outputs[i], f"request {i}"
 
 
+@pytest.mark.long   # 18 runs of ~100 steps: minutes on 2 cores
 @pytest.mark.parametrize("seed", SEEDS)
 @pytest.mark.parametrize("method", list(METHODS))
 def test_random_online_workload_keeps_outputs_and_pools(model, knobs, workloads, method, seed):

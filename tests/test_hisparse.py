@@ -297,6 +297,7 @@ def test_hisparse_roofline_counts_view_and_bounds(preset_model):
     assert cls.kv_tokens_held(cfg, model, 64000, 256) == (2 * 128 + 4 + 1) * 16
 
 
+@pytest.mark.long   # each kernel's reference is compared in the quick suite; this is their wiring
 @interp
 def test_engine_with_the_triton_kernels_equals_the_references(tiny_model, monkeypatch):
     """Prefill and decode with every Triton kernel HiSparse calls (interpreted on the CPU; host
@@ -438,6 +439,7 @@ def test_gpu_hisparse_graph_replay_equals_eager_and_quest(tiny_model):
     assert_idle(graph.engine.cache_manager)
 
 
+@pytest.mark.long   # the default model's weights through a script
 def test_hit_rate_script_reports_real_weights_hit_rate():
     """scripts/benchmarks/hisparse_hit_rate.py on the embedded model: prompts offload, the decode
     steps report a hit rate in (0, 1], and successive queries of a real model mostly hit."""

@@ -133,6 +133,7 @@ def test_cancelling_a_stream_frees_its_pages(server):
     assert idle(engine), "pages of the cancelled request were not freed"
 
 
+@pytest.mark.long
 def test_32_concurrent_clients_with_mixed_lengths(server, reference):
     url, engine = server
     prompts = [f"Count to {i % 7 + 2}:" for i in range(32)]
@@ -175,6 +176,7 @@ def test_a_wrong_api_key_is_a_401(server):
     assert http("GET", url + "/health")[0] == 200
 
 
+@pytest.mark.long   # a benchmark script's server and client processes
 def test_online_benchmark_reports_latencies_and_throughput(tmp_path):
     import os
     import subprocess

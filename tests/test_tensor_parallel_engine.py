@@ -48,7 +48,8 @@ def test_every_method_declares_tensor_parallel():
         {c["vllm_sparse_method"] for c in CASES.values()}
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", pytest.param("qwen2", marks=pytest.mark.long),
+                                  pytest.param("qwen3", marks=pytest.mark.long)])
 @pytest.mark.parametrize("case", list(CASES))
 def test_tp2_equals_tp1_token_for_token(tiny_model, arch, case):
     path = tiny_model(arch)
