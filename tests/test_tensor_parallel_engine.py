@@ -139,6 +139,7 @@ def test_tp2_equals_tp1_on_two_gpus(tiny_model, case):
     assert followers[0]["idle"]
 
 
+@pytest.mark.long   # one more rank failure; the quick suite keeps test_failing_rank_raises_on_rank_0_*
 def test_follower_dies_with_rank_0(tmp_path):
     """Rank 0 killed (a benchmark case on its timeout) while a follower sits in NCCL, which does not
     notice: the follower must not live on holding its GPU. (On gloo a follower would also notice
@@ -202,6 +203,7 @@ def test_shutdown_drops_graphs_before_the_teardown(tiny_model, monkeypatch):
     assert llm.engine.shutdown in registered   # the exit hook that shutdown() replaces is the engine's
 
 
+@pytest.mark.long   # one more rank failure; the quick suite keeps test_failing_rank_raises_on_rank_0_*
 def test_rank_dead_before_joining_is_a_clear_error_not_a_hang(tiny_model, tmp_path):
     """A script without the `if __name__ == "__main__":` guard: the spawned rank re-runs it, fails
     while bootstrapping and never joins the group. Rank 0 must say so, not wait in the group's
@@ -268,6 +270,7 @@ def _fail_rank_0_mid_forward(llm, monkeypatch, error):
     monkeypatch.setattr(type(layer), "forward", failing)
 
 
+@pytest.mark.long   # one more rank failure; the quick suite keeps test_failing_rank_raises_on_rank_0_*
 def test_rank_0_failing_mid_forward_raises_instead_of_hanging(tiny_model, monkeypatch):
     """A rank-0-only error inside the forward (a GPU out of memory on rank 0's card): the error is raised,
     not lost in a shutdown whose exit command the followers, inside the step's all-reduce, never read."""
