@@ -1,71 +1,20 @@
-import functools
 import os
+import time
 
 import pytest
 import torch
+
+import triton_compiles
 
 # Triton's interpreter is chosen when kernels are decorated, so it must be on before anything imports
 # them; without CUDA it is the only way Triton kernels run.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-# Every Triton kernel launched under the interpreter in this session, by signature: the interpreter
-# runs kernels the GPU compiler rejects (a name bound to tensors of two shapes in an if/else, say),
-# so tests/test_zz_triton_compiles.py compiles each recorded launch for the H200 at the end.
-TRITON_LAUNCHES: dict = {}
-_TRITON_TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.float64: "fp64",
-                 torch.int64: "i64", torch.int32: "i32", torch.int16: "i16", torch.int8: "i8", torch.uint8: "u8",
-                 torch.bool: "i1"}
-
-
-@functools.cache
-def _jit(fn):
-    import triton
-    return triton.JITFunction(fn)   # parsed once a kernel, not once a launch
-
-
-def _launch(kernel, args, kwargs):
-    """(key, launch): the kernel's module and name, its argument types, constexprs and options, as
-    plain values (tests/test_zz_triton_compiles.py compiles them in a fresh process)."""
-    jit = _jit(kernel.fn)
-    bound = dict(zip(jit.arg_names, args)) | {k: v for k, v in kwargs.items() if k in jit.arg_names}
-    signature, constexprs = {}, {}
-    for i, (name, param) in enumerate(zip(jit.arg_names, jit.params)):
-        value = bound.get(name, param.default)
-        if i in jit.constexprs or value is None:
-            signature[name] = "constexpr"
-            constexprs[name] = value if isinstance(value, (int, float, str, type(None))) else repr(value)
-        elif isinstance(value, torch.Tensor):
-            signature[name] = "*" + _TRITON_TYPES[value.dtype]
-        elif isinstance(value, bool):
-            signature[name] = "i1"
-        elif isinstance(value, int):
-            signature[name] = "i32" if -2 ** 31 <= value < 2 ** 31 else "i64"
-        else:
-            signature[name] = "fp32"
-    options = {k: kwargs[k] for k in ("num_warps", "num_stages") if k in kwargs}
-    launch = dict(module=kernel.fn.__module__, name=kernel.fn.__qualname__, signature=signature,
-                  constexprs=constexprs, options=options)
-    return repr(sorted(launch.items())), launch
-
-
-def _record_triton_launches():
-    try:
-        from triton.runtime.interpreter import InterpretedFunction
-    except ImportError:
-        return
-    run = InterpretedFunction.run
-
-    def recording_run(self, *args, grid, warmup, **kwargs):
-        key, launch = _launch(self, args, kwargs)
-        TRITON_LAUNCHES.setdefault(key, launch)
-        return run(self, *args, grid=grid, warmup=warmup, **kwargs)
-
-    InterpretedFunction.run = recording_run
-
-
+# Every Triton launch the interpreter runs is noted, and compiled for sm_90 after the tests
+# (pytest_runtestloop below): the interpreter runs kernels the GPU compiler rejects.
 if os.environ.get("TRITON_INTERPRET") == "1":
-    _record_triton_launches()
+    triton_compiles.record_launches()
 
 ARCHS = {
     "llama": dict(cls="LlamaConfig", extra=dict(tie_word_embeddings=False)),
@@ -74,6 +23,23 @@ ARCHS = {
     "qwen3": dict(cls="Qwen3Config", extra=dict(tie_word_embeddings=False, head_dim=16)),
     "mistral": dict(cls="MistralConfig", extra=dict(tie_word_embeddings=False, sliding_window=None)),
 }
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtestloop(session):
+    """After the selected tests ran, the Triton launches they interpreted must compile for sm_90
+    (tests/triton_compiles.py); the check is reported as one more test, so a failure fails the run
+    whichever files were selected, and no test file has to run last."""
+    result = yield
+    if triton_compiles.LAUNCHES:
+        start = time.perf_counter()
+        failures = triton_compiles.compile_failures()
+        path, name = triton_compiles.NODEID.split("::")
+        session.testscollected += 1   # counted in the progress and the summary like the tests it follows
+        session.config.hook.pytest_runtest_logreport(report=pytest.TestReport(
+            triton_compiles.NODEID, (path, None, name), {}, "failed" if failures else "passed", failures, "call",
+            duration=time.perf_counter() - start))
+    return result
 
 
 def pytest_collection_modifyitems(config, items):

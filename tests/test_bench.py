@@ -32,6 +32,7 @@ def read_rows(out_dir):
         return [json.loads(line) for line in f]
 
 
+# The benchmark scripts end to end (this sweep, the HF baseline, the kernel benchmark) are `long`.
 @pytest.fixture(scope="module")
 def sweep(tmp_path_factory):
     """4 cases on the tiny preset. The pool holds 12 pages of 16 tokens, so each of 64+8-token
@@ -44,6 +45,7 @@ def sweep(tmp_path_factory):
     return out, proc, {(r["length"], r["batch"]): r for r in read_rows(out)}
 
 
+@pytest.mark.long
 def test_sweep_writes_one_jsonl_row_per_case_with_the_metrics(sweep):
     out, _, rows = sweep
     assert set(rows) == {(64, 1), (64, 2), (128, 1), (128, 2)}
@@ -70,6 +72,7 @@ def test_sweep_writes_one_jsonl_row_per_case_with_the_metrics(sweep):
             assert r["environment"][lib]
 
 
+@pytest.mark.long
 def test_impossible_case_is_recorded_and_the_sweep_goes_on(sweep):
     out, proc, rows = sweep
     bad = rows[(128, 2)]
@@ -80,6 +83,7 @@ def test_impossible_case_is_recorded_and_the_sweep_goes_on(sweep):
     assert os.path.isfile(bad["log"])
 
 
+@pytest.mark.long
 def test_sweep_writes_summary_table_and_png_plot(sweep):
     out, proc, _ = sweep
     summary = (out / "summary.md").read_text()
@@ -91,6 +95,7 @@ def test_sweep_writes_summary_table_and_png_plot(sweep):
     assert "roofline" in proc.stderr + proc.stdout  # each case's roofline is printed
 
 
+@pytest.mark.long
 def test_hf_baseline_runs_on_the_same_prompts_as_method_hf(tmp_path):
     proc = run_cli("--model_path", "tiny", "--methods", "", "--baseline", "hf", "--lengths", "32",
                    "--batch_sizes", "2", "--output_len", str(OUTPUT_LEN), "--out_dir", str(tmp_path))
@@ -122,6 +127,7 @@ def test_timing_metrics_have_no_decode_window_when_requests_never_overlap():
     assert m["concurrent"] is False and m["decode_tok_s"] is None
 
 
+@pytest.mark.long
 def test_cpu_cases_use_a_copy_rate_measured_on_the_machine(sweep):
     """On a CPU the roofline uses the machine's own copy rate, measured once at the start and
     printed before the cases, not the H200's (the fraction read 0.0% against 4.23 TB/s)."""
@@ -294,6 +300,7 @@ def test_method_knobs_go_only_to_their_own_method(monkeypatch):
         bench_sparse_vllm.validate(args)
 
 
+@pytest.mark.long
 def test_kernel_benchmark_smoke_run_covers_decode_rope_store_and_the_skinny_gemm(tmp_path):
     """bench_kernels.py --smoke on the CPU, its kernels under the Triton interpreter: the script runs
     end to end (it broke once when kv_store and rotary became rope_store) and reports every section."""

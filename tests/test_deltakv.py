@@ -16,6 +16,7 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
+from method_knobs import METHOD_KNOBS  # noqa: E402
 from sparsevllm import LLM, SamplingParams  # noqa: E402
 from sparsevllm.engine.cache_manager.deltakv import compressor as dc  # noqa: E402
 from sparsevllm.engine.cache_manager.cross_layer import layer_roles  # noqa: E402
@@ -27,8 +28,7 @@ from sparsevllm.models.config import ModelConfig, read_config_json  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-SMALL = dict(deltakv_full_layers=[0, 2], deltakv_sink=4, deltakv_recent=16, deltakv_cluster_ratio=0.25,
-             deltakv_neighbors=2)
+SMALL = dict(METHOD_KNOBS["deltakv"])
 interp = pytest.mark.skipif(CUDA, reason="interpreter tests run on CPU-only machines")
 
 
@@ -379,6 +379,7 @@ def test_up_of_gathered_latents_equals_up_of_the_gather(kind):
     torch.testing.assert_close(kd.up_of(codec.up, latents, slots), codec.up(latents[slots]))
 
 
+@pytest.mark.long   # each kernel's reference is compared in the quick suite; this is their wiring
 @interp
 def test_engine_with_the_triton_kernels_equals_the_references(tiny_model, tmp_path, monkeypatch):
     """The decode and prefill paths with every DeltaKV Triton kernel (interpreted on the CPU) give
@@ -432,6 +433,7 @@ def test_deltakv_equals_vanilla_when_decode_keep_covers_every_compressed_token(t
     assert log["tokens"] > sum(lengths) // 2          # most of the context went through the latents
 
 
+@pytest.mark.long   # several windows a time are also among the equal-to-vanilla cases
 def test_compress_windows_takes_several_windows_a_time_and_the_same_latents(tiny_model, tmp_path):
     """deltakv_compress_windows = 3: decode compresses 3 windows at once when the raw tail reaches 4
     (a third of the events), the tail never holds more, and a token compressed under both settings
@@ -645,6 +647,7 @@ def test_roofline_counts_a_latent_in_the_models_own_token_width(preset_model):
     assert held[1] - held[0] == pytest.approx(sparse_share * compressed * 128 * extra, abs=1)   # both rounded up
 
 
+@pytest.mark.long   # requests of 900 tokens
 def test_same_memory_decodes_more_long_requests_together_than_vanilla(tiny_model, tmp_path):
     """The pool sized from the same cpu_kv_cache_gb: vanilla decodes 5 requests of 900 tokens at
     once, DeltaKV (7 of 8 layers compressed) twice as many, in no more bytes."""
@@ -748,6 +751,7 @@ def test_chunked_prefill_never_holds_the_prompt_raw(tiny_model, tmp_path):
     assert llm.engine.cache_manager.raw_slots.peak_used <= sink + 2 * w + 64 + 600 // stride + 1
 
 
+@pytest.mark.long   # overlap with compressions also runs in the quick suite, spread over steps
 def test_overlap_equals_no_overlap_with_compressions_and_mixed_finishes(tiny_model, tmp_path):
     """async_scheduling on == off, token for token and finish reason, while decode steps compress
     windows, requests end at different steps (a stop token costs one discarded step, whose
@@ -858,6 +862,7 @@ def test_a_request_aborted_mid_compression_does_not_write_into_its_old_pages(tin
     assert cm.allocator.is_idle() and cm.raw_slots.num_free == cm.raw_slots.num_slots and not cm.events
 
 
+@pytest.mark.long
 def test_compression_shares_follow_the_requests_decode_steps_not_prefills(tiny_model, tmp_path):
     """Prefill steps fall between a compression's shares (two requests at a time, the others admitted
     as they finish), and overlapped scheduling admits a step later: the shares advance on the steps

@@ -2,6 +2,7 @@
 generate leaves the page allocator as it found it."""
 import pytest
 
+from method_knobs import METHOD_KNOBS
 from sparsevllm import LLM, SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
@@ -117,10 +118,7 @@ def test_max_model_len_stops_generation(model, reference):
     assert out.outputs[0].token_ids == reference[0][:4] and out.outputs[0].finish_reason == "length"
 
 
-@pytest.mark.parametrize("method, knobs", [
-    ("quest", dict(quest_token_budget=32, quest_skip_layers=1)),
-    ("omnikv", dict(omnikv_filter_layers=[0], omnikv_wait_layers=0, omnikv_num_selected=0.2)),
-])
+@pytest.mark.parametrize("method, knobs", [("quest", METHOD_KNOBS["quest"]), ("omnikv", METHOD_KNOBS["omnikv"])])
 def test_a_prefix_hit_on_generated_tokens_equals_a_miss_with_a_sparse_decode(tiny_model, method, knobs):
     """A sparse decode view gives the generated tokens' later layers other inputs than prefill
     would, so their KV is not the KV a miss computes; a follow-up prompt (a chat's next turn: prompt,

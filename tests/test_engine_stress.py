@@ -30,6 +30,7 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
+from method_knobs import METHOD_KNOBS  # noqa: E402
 from sparsevllm import LLM, SamplingParams  # noqa: E402
 from sparsevllm.engine.cache_manager.deltakv import compressor as dc  # noqa: E402
 from sparsevllm.models.config import ModelConfig, read_config_json  # noqa: E402
@@ -42,14 +43,15 @@ NUM_REQUESTS = 24
 NUM_FOLLOW_UPS = 4
 COMMON = dict(device="cpu", page_size=P, max_model_len=MAX_LEN, chunk_prefill_size=32, max_num_batched_tokens=64,
               max_num_seqs=6)
-# Budgets far below the prompts, so every sparse path runs; pools a few requests deep, so they preempt.
-METHODS = {
+# The table's knobs with budgets far below these prompts, so every sparse path runs, and pools a few
+# requests deep, so they preempt. Every method of the table must have its pool here.
+STRESS = {
     "vanilla": dict(num_kv_pages=50),
     # (prompts of one 24-token prefix plus up to 12 tokens stay whole and share their pages with
     # longer ones, which compact: the recompute and same-step admissions around that are the risk)
-    "snapkv": dict(num_kv_pages=40, snapkv_capacity=36, snapkv_window_size=8),
-    "quest": dict(num_kv_pages=50, quest_token_budget=3 * P, quest_skip_layers=1),
-    "omnikv": dict(num_kv_pages=50, omnikv_filter_layers=[1], omnikv_wait_layers=0, omnikv_num_selected=6),
+    "snapkv": dict(num_kv_pages=40, snapkv_capacity=36),
+    "quest": dict(num_kv_pages=50, quest_token_budget=3 * P),
+    "omnikv": dict(num_kv_pages=50, omnikv_filter_layers=[1], omnikv_num_selected=6),
     "hisparse": dict(num_kv_pages=48, hisparse_token_budget=3 * P, hisparse_recent_pages=1, hisparse_device_pages=8,
                      hisparse_min_prompt_len=40, hisparse_host_memory_gb=0.01),
     # A step's token budget never cuts a chunk short (6 requests x 32), so each prompt's chunks end
@@ -57,10 +59,10 @@ METHODS = {
     # prompt rebuilt, so where its chunks end changes its tokens (its module docstring says so).
     # With a 48-token budget overlap on and off differed without any preemption (seeds 2 and 3:
     # overlap admits a prompt a step later, beside other prompts), unlike the README's claim.
-    "deltakv": dict(num_kv_pages=60, max_num_batched_tokens=192, deltakv_full_layers=[0, 2], deltakv_sink=4,
-                    deltakv_recent=8, deltakv_cluster_ratio=0.25, deltakv_neighbors=2, deltakv_decode_keep=6,
+    "deltakv": dict(num_kv_pages=60, max_num_batched_tokens=192, deltakv_recent=8, deltakv_decode_keep=6,
                     deltakv_compress_steps=2),
 }
+METHODS = {method: dict(knobs, **STRESS[method]) for method, knobs in METHOD_KNOBS.items()}
 EXACT_RECOMPUTE = ("vanilla", "snapkv")   # a preempted request's continuation is unchanged
 
 
@@ -339,6 +341,7 @@ def check_same(reqs: list[Request], a: Outcome, b: Outcome, skip: set[int]) -> N
             assert a.outputs[i] == b.outputs[i], f"request {i}"
 
 
+@pytest.mark.long   # 18 runs of ~100 steps: minutes on 2 cores
 @pytest.mark.parametrize("seed", SEEDS)
 @pytest.mark.parametrize("method", list(METHODS))
 def test_random_online_workload_keeps_outputs_and_pools(model, knobs, workloads, method, seed):

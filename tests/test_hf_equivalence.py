@@ -63,7 +63,8 @@ def test_sharded_checkpoint_loads_like_a_single_file(tmp_path):
     assert LLM(path).generate(PROMPTS[0], sp, use_tqdm=False)[0].outputs[0].token_ids == hf_greedy(path, PROMPTS[0], 8)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", pytest.param("qwen2", marks=pytest.mark.long),
+                                  pytest.param("qwen3", marks=pytest.mark.long)])
 def test_decode_gemms_with_the_norm_in_their_epilogues_match_transformers(tiny_model, arch, monkeypatch):
     """On a GPU, decode steps over wide weights run o_proj / down_proj with the residual add and the
     next RMSNorm (but its 1 / rms) in the GEMM's epilogue and qkv / gate_up with the rows' 1 / rms

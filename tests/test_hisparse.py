@@ -15,6 +15,7 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
+from method_knobs import METHOD_KNOBS  # noqa: E402
 from sparsevllm import LLM, SamplingParams  # noqa: E402
 from sparsevllm.engine.cache_manager import hisparse as hs  # noqa: E402
 from sparsevllm.kernels import hisparse as hk  # noqa: E402
@@ -23,9 +24,9 @@ from sparsevllm.method_registry import make_config  # noqa: E402
 CUDA = torch.cuda.is_available()
 P = 4
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-# 4 top-k pages + 2 recent + current = a 7-page view; a 10-page hot buffer; prompts of 40-90 pages.
-KNOBS = dict(page_size=P, hisparse_token_budget=4 * P, hisparse_recent_pages=2, hisparse_device_pages=10,
-             hisparse_min_prompt_len=64, hisparse_host_memory_gb=0.02, chunk_prefill_size=64)
+# The table's 16-token budget in pages of 4: 4 top-k pages + 2 recent + current = a 7-page view; a
+# 10-page hot buffer; prompts of 40-90 pages.
+KNOBS = dict(METHOD_KNOBS["hisparse"], page_size=P, chunk_prefill_size=64)
 
 
 def gpu(fn):
@@ -296,6 +297,7 @@ def test_hisparse_roofline_counts_view_and_bounds(preset_model):
     assert cls.kv_tokens_held(cfg, model, 64000, 256) == (2 * 128 + 4 + 1) * 16
 
 
+@pytest.mark.long   # each kernel's reference is compared in the quick suite; this is their wiring
 @interp
 def test_engine_with_the_triton_kernels_equals_the_references(tiny_model, monkeypatch):
     """Prefill and decode with every Triton kernel HiSparse calls (interpreted on the CPU; host
@@ -437,6 +439,7 @@ def test_gpu_hisparse_graph_replay_equals_eager_and_quest(tiny_model):
     assert_idle(graph.engine.cache_manager)
 
 
+@pytest.mark.long   # the default model's weights through a script
 def test_hit_rate_script_reports_real_weights_hit_rate():
     """scripts/benchmarks/hisparse_hit_rate.py on the embedded model: prompts offload, the decode
     steps report a hit rate in (0, 1], and successive queries of a real model mostly hit."""

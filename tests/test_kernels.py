@@ -45,6 +45,16 @@ def poison(monkeypatch):
     monkeypatch.setattr(torch, "empty_like", lambda *a, **k: fill(empty_like(*a, **k)))
 
 
+def diagonal_quick(firsts, seconds):
+    """Every pair of the two lists of values (a value may be a tuple of several parameters): the quick
+    suite runs the diagonal, firsts[i] with seconds[i], so each value once; `-m long` the rest. Under
+    the interpreter the programs of a launch run one after the other: many SMs, many programs."""
+    def flat(value):
+        return value if isinstance(value, tuple) else (value,)
+    return [pytest.param(*flat(a), *flat(b), marks=() if i == j else pytest.mark.long)
+            for i, a in enumerate(firsts) for j, b in enumerate(seconds)]
+
+
 def close(a, b, dtype):
     atol, rtol = TOL[dtype]
     assert not a.isnan().any()
@@ -234,8 +244,7 @@ def test_silu_and_mul_triton_matches_reference(dtype, poison):
 
 @interp
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("rows,with_bias", [(1, False), (5, True), (16, False)])
-@pytest.mark.parametrize("sms", [132, 2, 1])
+@pytest.mark.parametrize("rows,with_bias,sms", diagonal_quick([(1, False), (5, True), (16, False)], [1, 2, 132]))
 def test_skinny_linear_triton_matches_reference(dtype, rows, with_bias, sms, poison, monkeypatch):
     # SM counts that give each launch shape of launch_config: 2 columns a program in 32-column
     # tiles, 50 in 64-column tiles (evenly spread), 64-column tiles in several waves.
@@ -271,8 +280,7 @@ def qkv_store_case(g, rows, Hq, Hk, D, K, P, dtype, device="cpu"):
 
 @interp
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("rows", [1, 5, 16])
-@pytest.mark.parametrize("sms", [132, 3, 1])
+@pytest.mark.parametrize("rows,sms", diagonal_quick([1, 5, 16], [1, 3, 132]))
 @pytest.mark.parametrize("bounds", [False, True])
 def test_linear_rope_store_triton_equals_the_gemm_then_rope_store(dtype, rows, sms, bounds, poison, monkeypatch):
     # 2 virtual columns a program (32-column tiles), 44 (64-column tiles, a program holding parts of
@@ -306,8 +314,7 @@ def test_linear_rope_store_triton_equals_the_gemm_then_rope_store(dtype, rows, s
 
 @interp
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("rows", [1, 7, 16])
-@pytest.mark.parametrize("sms", [132, 3, 1])
+@pytest.mark.parametrize("rows,sms", diagonal_quick([1, 7, 16], [1, 3, 132]))
 def test_skinny_silu_mul_triton_matches_reference(dtype, rows, sms, poison, monkeypatch):
     # 2 or 30 columns of gate and of up a program in 32-column tiles, 90 in 128-column tiles
     monkeypatch.setattr(skinny_gemm, "num_sms", lambda device: sms)
@@ -323,8 +330,7 @@ def test_skinny_silu_mul_triton_matches_reference(dtype, rows, sms, poison, monk
 
 @interp
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("rows", [1, 5, 16])
-@pytest.mark.parametrize("sms", [132, 3, 1])
+@pytest.mark.parametrize("rows,sms", diagonal_quick([1, 5, 16], [1, 3, 132]))
 def test_skinny_add_norm_then_row_norm_equals_add_rmsnorm_linear(dtype, rows, sms, poison, monkeypatch):
     """o_proj with the residual add and the RMSNorm (all but 1 / rms) in its epilogue, then qkv /
     gate_up scaling their rows by 1 / rms from o_proj's per-program sums of squares: the same as

@@ -12,6 +12,7 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
+from method_knobs import METHOD_KNOBS  # noqa: E402
 from sparsevllm import LLM, SamplingParams  # noqa: E402
 from sparsevllm.engine.cache_manager.cross_layer import layer_roles  # noqa: E402
 from sparsevllm.engine.cache_manager.omnikv import default_filter_layers  # noqa: E402
@@ -20,7 +21,8 @@ from sparsevllm.method_registry import make_config  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
-KNOBS = dict(omnikv_filter_layers=[1], omnikv_wait_layers=1)   # 4 layers: dense, filter, wait, sparse
+# 4 layers: dense, filter, wait, sparse, so that a wait layer and a dense layer before the filter run too
+KNOBS = dict(METHOD_KNOBS["omnikv"], omnikv_filter_layers=[1], omnikv_wait_layers=1)
 interp = pytest.mark.skipif(CUDA, reason="interpreter tests run on CPU-only machines")
 
 
@@ -144,8 +146,8 @@ def test_omnikv_equals_vanilla_when_the_selection_covers_the_prompt(tiny_model, 
     path = model(tiny_model)
     ps = prompts([70, 13, 150])
     want = run(LLM(path, device="cpu", chunk_prefill_size=chunk), ps)
-    llm = LLM(path, vllm_sparse_method="omnikv", device="cpu", omnikv_num_selected=1.0, chunk_prefill_size=chunk,
-              **KNOBS)
+    llm = LLM(path, vllm_sparse_method="omnikv", device="cpu", chunk_prefill_size=chunk,
+              **dict(KNOBS, omnikv_num_selected=1.0))
     assert run(llm, ps[:1]) == want[:1]     # batch 1
     assert run(llm, ps) == want             # batch > 1, different prompt lengths
 
@@ -154,8 +156,8 @@ def test_omnikv_equals_vanilla_when_the_selection_covers_the_prompt(tiny_model, 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_omnikv_selection_equals_oracle_and_is_causal(tiny_model, arch, selector):
     log = {"sparse": 0, "views": 0}
-    llm = check_views(LLM(model(tiny_model, arch), vllm_sparse_method="omnikv", device="cpu", omnikv_num_selected=9,
-                          omnikv_selector=selector, chunk_prefill_size=48, page_size=8, **KNOBS), log)
+    llm = check_views(LLM(model(tiny_model, arch), vllm_sparse_method="omnikv", device="cpu", omnikv_selector=selector,
+                          chunk_prefill_size=48, page_size=8, **dict(KNOBS, omnikv_num_selected=9)), log)
     outs = run(llm, prompts([70, 13, 150], seed=1))
     assert log["views"] >= 2 * 9 and log["sparse"] > 0
     assert all(len(o) == GREEDY.max_tokens for o in outs)
@@ -303,7 +305,7 @@ def test_gpu_omnikv_kernels_match_references_bf16(selector):
 def test_gpu_omnikv_graph_replay_equals_eager(tiny_model):
     path = model(tiny_model)
     ps = prompts([300, 90, 500, 41], seed=6)
-    knobs = dict(vllm_sparse_method="omnikv", device="cuda", dtype="float32", omnikv_num_selected=0.1, **KNOBS)
+    knobs = dict(KNOBS, vllm_sparse_method="omnikv", device="cuda", dtype="float32", omnikv_num_selected=0.1)
     eager = LLM(path, enforce_eager=True, **knobs)
     graph = LLM(path, **knobs)
     assert graph.execution_mode == "cuda_graph"

@@ -12,7 +12,7 @@ import torch
 from sparsevllm.outputs import CompletionOutput, RequestOutput
 
 sys.path.insert(0, os.path.dirname(__file__))
-from test_regression_fixtures import build_tiny_llama, build_tokenizer  # noqa: E402
+from regression_fixtures import build_tiny_llama, build_tokenizer  # noqa: E402
 
 from sparsevllm.regression import runner as runner_module  # noqa: E402
 from sparsevllm.regression.__main__ import main, parse_args  # noqa: E402
@@ -370,7 +370,7 @@ def test_smoke_run_through_the_engine_with_a_tiny_random_model(tmp_path):
     assert all(c["accuracy"] == 100.0 and abs(c["kl"]) < 1e-6 for c in fidelity)
 
 
-@pytest.mark.slow
+@pytest.mark.long   # the default model over 1K-token prompts
 def test_smollm2_vanilla_retrieves_passkeys_at_1k(tmp_path):
     """Measured: vanilla SmolLM2-135M-Instruct finds every number needle in noise at 1K."""
     config = RunConfig(model=None, methods=["vanilla"], samples=4, lengths=[1024],

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from test_regression_fixtures import build_tokenizer  # noqa: E402
+from regression_fixtures import build_tokenizer  # noqa: E402
 
 from sparsevllm.regression.datasets import dataset_samples, parse_dataset_spec  # noqa: E402
 from sparsevllm.regression.fidelity import compare, fidelity_sample, _token_stream  # noqa: E402

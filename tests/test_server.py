@@ -133,6 +133,7 @@ def test_cancelling_a_stream_frees_its_pages(server):
     assert idle(engine), "pages of the cancelled request were not freed"
 
 
+@pytest.mark.long
 def test_32_concurrent_clients_with_mixed_lengths(server, reference):
     url, engine = server
     prompts = [f"Count to {i % 7 + 2}:" for i in range(32)]
@@ -176,6 +177,7 @@ def test_a_wrong_api_key_is_a_401_and_health_and_metrics_need_none(server):
     assert http("GET", url + "/health", key=None)[0] == 200 and http("GET", url + "/metrics", key=None)[0] == 200
 
 
+@pytest.mark.long   # a benchmark script's server and client processes
 def test_online_benchmark_reports_latencies_and_throughput(tmp_path):
     import os
     import subprocess
@@ -218,7 +220,7 @@ def tiny_server(tmp_path_factory):
     import os
     import sys
     sys.path.insert(0, os.path.dirname(__file__))
-    from test_regression_fixtures import build_tiny_llama
+    from regression_fixtures import build_tiny_llama
     llm = LLM(build_tiny_llama(str(tmp_path_factory.mktemp("tinytok")), max_position_embeddings=256), device="cpu")
     async_llm = AsyncLLM(llm.engine)
     port = free_port()

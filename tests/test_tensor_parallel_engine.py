@@ -4,6 +4,7 @@ rank's allocator back to its initial state; bad input and a failing rank raise c
 import pytest
 import torch
 
+from method_knobs import METHOD_KNOBS
 from sparsevllm import LLM, SamplingParams
 from sparsevllm.method_registry import METHODS
 
@@ -11,15 +12,15 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 SHARED = list(range(3, 43))   # a prefix two prompts share: a prefix-cache hit on every rank
 PROMPTS = [SHARED + list(range(100, 150)), list(range(60, 131)), SHARED + [9] * 30, [5, 6, 7, 8] * 6]
 
-# Small budgets, so that every method really selects (or evicts) on prompts of ~70 tokens.
+# The table's knobs with smaller budgets, so that every method really selects (or evicts) on prompts
+# of ~70 tokens.
+QUEST = dict(METHOD_KNOBS["quest"], vllm_sparse_method="quest", page_size=4, quest_token_budget=16)
 CASES = {
-    "vanilla": dict(vllm_sparse_method="vanilla"),
-    "quest": dict(vllm_sparse_method="quest", page_size=4, quest_token_budget=16, quest_skip_layers=1),
-    "quest_shared": dict(vllm_sparse_method="quest", page_size=4, quest_token_budget=16, quest_skip_layers=1,
-                         quest_selection="shared"),
-    "omnikv": dict(vllm_sparse_method="omnikv", omnikv_filter_layers=[0], omnikv_wait_layers=0,
-                   omnikv_num_selected=12),
-    "snapkv": dict(vllm_sparse_method="snapkv", page_size=4, snapkv_capacity=24, snapkv_window_size=8),
+    "vanilla": dict(METHOD_KNOBS["vanilla"], vllm_sparse_method="vanilla"),
+    "quest": QUEST,
+    "quest_shared": dict(QUEST, quest_selection="shared"),
+    "omnikv": dict(METHOD_KNOBS["omnikv"], vllm_sparse_method="omnikv", omnikv_num_selected=12),
+    "snapkv": dict(METHOD_KNOBS["snapkv"], vllm_sparse_method="snapkv", page_size=4, snapkv_capacity=24),
 }
 
 
@@ -47,7 +48,8 @@ def test_every_method_declares_tensor_parallel():
         {c["vllm_sparse_method"] for c in CASES.values()}
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", pytest.param("qwen2", marks=pytest.mark.long),
+                                  pytest.param("qwen3", marks=pytest.mark.long)])
 @pytest.mark.parametrize("case", list(CASES))
 def test_tp2_equals_tp1_token_for_token(tiny_model, arch, case):
     path = tiny_model(arch)
@@ -137,6 +139,7 @@ def test_tp2_equals_tp1_on_two_gpus(tiny_model, case):
     assert followers[0]["idle"]
 
 
+@pytest.mark.long   # one more rank failure; the quick suite keeps test_failing_rank_raises_on_rank_0_*
 def test_follower_dies_with_rank_0(tmp_path):
     """Rank 0 killed (a benchmark case on its timeout) while a follower sits in NCCL, which does not
     notice: the follower must not live on holding its GPU. (On gloo a follower would also notice
@@ -200,6 +203,7 @@ def test_shutdown_drops_graphs_before_the_teardown(tiny_model, monkeypatch):
     assert llm.engine.shutdown in registered   # the exit hook that shutdown() replaces is the engine's
 
 
+@pytest.mark.long   # one more rank failure; the quick suite keeps test_failing_rank_raises_on_rank_0_*
 def test_rank_dead_before_joining_is_a_clear_error_not_a_hang(tiny_model, tmp_path):
     """A script without the `if __name__ == "__main__":` guard: the spawned rank re-runs it, fails
     while bootstrapping and never joins the group. Rank 0 must say so, not wait in the group's
@@ -266,6 +270,7 @@ def _fail_rank_0_mid_forward(llm, monkeypatch, error):
     monkeypatch.setattr(type(layer), "forward", failing)
 
 
+@pytest.mark.long   # one more rank failure; the quick suite keeps test_failing_rank_raises_on_rank_0_*
 def test_rank_0_failing_mid_forward_raises_instead_of_hanging(tiny_model, monkeypatch):
     """A rank-0-only error inside the forward (a GPU out of memory on rank 0's card): the error is raised,
     not lost in a shutdown whose exit command the followers, inside the step's all-reduce, never read."""

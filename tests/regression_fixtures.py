@@ -1,6 +1,6 @@
 """Builders shared by the regression-harness tests: a small byte-level BPE tokenizer trained on
 the bundled Python docs (no hub access) with a ChatML template, and a tiny random Llama beside it.
-Imported by the other test_regression_* files; holds no tests itself."""
+Imported by the regression-harness and server tests."""
 
 import json
 import os
