@@ -272,6 +272,7 @@ def test_help_documents_every_flag():
 
 
 def test_method_knobs_go_only_to_their_own_method(monkeypatch):
+    import types
     from dataclasses import dataclass
 
     from sparsevllm import method_registry
@@ -286,7 +287,10 @@ def test_method_knobs_go_only_to_their_own_method(monkeypatch):
         method_name = "fakesparse"
         config_cls = FakeConfig
 
-    monkeypatch.setitem(method_registry.METHODS, "fakesparse", FakeSparse)
+    module = types.ModuleType("fake_sparse_method")   # the registry imports a method's class by name
+    module.FakeSparse = FakeSparse
+    monkeypatch.setitem(sys.modules, "fake_sparse_method", module)
+    monkeypatch.setitem(method_registry.REGISTRY, "fakesparse", "fake_sparse_method:FakeSparse")
     parser = bench_sparse_vllm.build_parser()
     common = ["--model_path", "tiny", "--lengths", "64", "--output_len", "8"]
     args = parser.parse_args(common + ["--methods", "fakesparse,vanilla",

@@ -66,9 +66,9 @@ def test_a_manager_that_stores_its_own_way_gets_no_store_in_the_qkv_epilogue():
     from types import SimpleNamespace
 
     from sparsevllm.engine.cache_manager.base import CacheManager
-    from sparsevllm.method_registry import METHODS
+    from sparsevllm.method_registry import methods
 
-    for name, cls in METHODS.items():
+    for name, cls in methods().items():
         if cls.store_kv is not CacheManager.store_kv and cls.store_target is CacheManager.store_target:
             assert cls.method_name == "deltakv", name   # compresses pre-RoPE K in its store: keeps store_kv
 

@@ -6,7 +6,7 @@ import torch
 
 from method_knobs import METHOD_KNOBS
 from sparsevllm import LLM, SamplingParams
-from sparsevllm.method_registry import METHODS
+from sparsevllm.method_registry import methods
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 SHARED = list(range(3, 43))   # a prefix two prompts share: a prefix-cache hit on every rank
@@ -44,7 +44,7 @@ def _tokens(outs):
 
 
 def test_every_method_declares_tensor_parallel():
-    assert {name for name, cls in METHODS.items() if cls.capabilities.tensor_parallel} == \
+    assert {name for name, cls in methods().items() if cls.capabilities.tensor_parallel} == \
         {c["vllm_sparse_method"] for c in CASES.values()}
 
 
