@@ -58,7 +58,7 @@ STRESS = {
     # at the same places whatever runs beside it: DeltaKV's prefill reads the compressed part of a
     # prompt rebuilt, so where its chunks end changes its tokens (its module docstring says so).
     # With a 48-token budget overlap on and off differed without any preemption (seeds 2 and 3:
-    # overlap admits a prompt a step later, beside other prompts), unlike the README's claim.
+    # overlap admits a prompt a step later, beside other prompts), as docs/methods/deltakv.md says.
     "deltakv": dict(num_kv_pages=60, max_num_batched_tokens=192, deltakv_recent=8, deltakv_decode_keep=6,
                     deltakv_compress_steps=2),
 }

@@ -37,7 +37,7 @@ The qkv projection of a decode step can go through linear_rope_store: the epilog
 key into its page's min / max (the page bounds of kernels/page_select.py), so a layer has no
 rope_store launch of its own; the cache manager says where (CacheManager.store_target). With the
 attention's PDL launches it measured +0.7% (QuEST) and +1.3% (SnapKV) decode tok/s at 32K x 4 on an
-H100 (README, 2026-12-05).
+H100 (docs/performance.md, 2026-12-05).
 
 On the GPU every launch is a programmatic dependent launch (PDL, see common.pdl): the kernel lets
 the next one start early (`gdc_launch_dependents`), asks L2 for its first weight tile and only then
@@ -246,7 +246,7 @@ def launch_config(n: int, silu_mul: bool, sms: int) -> tuple[int, int, int, int,
     docstring). Wider weights (the LM head) keep 64-column tiles in many waves. These configs take
     120-147 KB of shared memory (one CTA an SM). Half the BLOCK_K with one more stage (two CTAs an SM,
     so the next PDL launch could sit beside the one draining) plus the first weight tile loaded before
-    gdc_wait measured slower on an H100 (a layer's four GEMMs 166.5 us against 149.5; README, 2026-12-06)."""
+    gdc_wait measured slower on an H100 (a layer's four GEMMs 166.5 us against 149.5; docs/performance.md, 2026-12-06)."""
     cols = -(-n // sms)
     cols += cols % 2      # qkv: 47 -> 48 columns measured 14.1 -> 13.7 us
     if silu_mul:
