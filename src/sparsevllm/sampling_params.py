@@ -5,6 +5,15 @@ from dataclasses import dataclass, fields
 from sparsevllm.config import is_int, is_number
 
 
+class SamplingParamsError(ValueError):
+    """A SamplingParams field with a bad value; `field` names it (the server's error names the
+    request field it came from)."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field
+
+
 @dataclass
 class SamplingParams:
     """temperature 0 means greedy; top_k -1 and top_p 1.0 disable those filters.
@@ -39,7 +48,8 @@ class SamplingParams:
     def __post_init__(self):
         def need(ok: bool, field: str, valid: str):
             if not ok:
-                raise ValueError(f"SamplingParams.{field} must be {valid}, got {getattr(self, field)!r}")
+                raise SamplingParamsError(field, f"SamplingParams.{field} must be {valid}, "
+                                                 f"got {getattr(self, field)!r}")
 
         need(is_int(self.n) and self.n >= 1, "n", "an integer >= 1")
         need(is_number(self.temperature) and self.temperature >= 0, "temperature", ">= 0 (a number; 0 = greedy)")

@@ -5,9 +5,7 @@ Types are strict, as SamplingParams checks them: a string is not a number or a b
 an integer, a bool is neither; a JSON integer is a number. Values (ranges, an empty stop string) are
 left to SamplingParams itself, so the server refuses exactly what the Python API refuses.
 """
-import re
-
-from sparsevllm.sampling_params import SamplingParams
+from sparsevllm.sampling_params import SamplingParams, SamplingParamsError
 
 try:
     from fastapi.exceptions import RequestValidationError
@@ -89,10 +87,8 @@ class _Sampling(_Strict):
                 ignore_eos=self.ignore_eos, presence_penalty=self.presence_penalty,
                 frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
                 logprobs=logprobs)
-        except ValueError as e:   # its message starts "SamplingParams.<field> must be ..."
-            named = re.match(r"SamplingParams\.(\w+) ", str(e))
-            field = named and named.group(1)
-            raise APIError(400, str(e), field and self._request_field(field)) from None
+        except SamplingParamsError as e:
+            raise APIError(400, str(e), self._request_field(e.field)) from None
 
     def _request_field(self, name: str) -> str:
         """The request field a SamplingParams field comes from."""
