@@ -59,9 +59,12 @@ def cpu_threads() -> tuple[int, str]:
     of this process's affinity that other work leaves free (at least one), and never more than
     torch has now (a caller's torch.set_num_threads stands). Torch's default, every core, collapses
     where other jobs hold some: its threads wait for each other at every operator (an 8-token reply
-    took 10-16 s on a 2-core machine beside one other job, 1.9 s with one thread)."""
+    of the default model took 11.8-14.6 s on a busy 2-core machine, 1.5 s with one thread; see
+    docs/performance.md)."""
     if os.environ.get("OMP_NUM_THREADS"):
         return torch.get_num_threads(), "OMP_NUM_THREADS"
+    if torch.get_num_threads() == 1:
+        return 1, "torch has one"   # nothing to lower: skip the 0.1 s measurement
     cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
     busy = busy_cores(cores)
     if busy is None:
