@@ -68,6 +68,9 @@ class EngineConfig(Knobs):
     async_scheduling: bool | None = None   # None: on for CUDA, off on a CPU
     seed: int = 0
     tensor_parallel_size: int = 1
+    # Measure attention recall on every N-th decode step of each request (docs/design.md, section
+    # 10); 0: off, and then nothing on the step path changes.
+    recall_sample_every: int = 0
     method_config: MethodConfig = field(default_factory=MethodConfig, repr=False)
     # The cache-manager class registered as vllm_sparse_method: looked up once, by make_config.
     method: type | None = field(default=None, repr=False)
@@ -98,6 +101,8 @@ class EngineConfig(Knobs):
              "None (on for CUDA, off on a CPU), True or False")
         need(is_int(self.tensor_parallel_size) and self.tensor_parallel_size >= 1, "tensor_parallel_size",
              "an integer >= 1 (one process per rank, one GPU per rank on CUDA)")
+        need(is_int(self.recall_sample_every) and self.recall_sample_every >= 0, "recall_sample_every",
+             "an integer >= 0 (0: off; N: measure attention recall every N-th decode step of a request)")
 
 
 ENGINE_KNOBS = [f.name for f in fields(EngineConfig)

@@ -12,6 +12,7 @@ from sparsevllm.config import EngineConfig
 from sparsevllm.distributed import check_kv_heads
 from sparsevllm.engine.model_runner import ModelRunner, make_cache_manager, resolve_device
 from sparsevllm.engine.output_processor import OutputProcessor
+from sparsevllm.engine.recall import RequestRecall
 from sparsevllm.engine.sampling import SampledStep, position_logprobs, sample_step
 from sparsevllm.engine.scheduler import Scheduler
 from sparsevllm.engine.sequence import Sequence
@@ -78,7 +79,8 @@ class LLMEngine:
         self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
                                  else self.model_runner.device.type == "cuda")
         self._in_flight: SampledStep | None = None
-        self.outputs = OutputProcessor(self.tokenizer, eos_token_ids, config.max_model_len)
+        self.outputs = OutputProcessor(self.tokenizer, eos_token_ids, config.max_model_len,
+                                       config.method.recall_definition if config.recall_sample_every else None)
 
     def _start_workers(self, config: EngineConfig, model_cfg: ModelConfig):
         """Check the split before anything loads, then spawn ranks 1..N-1 (rank 0 is this process)."""
@@ -171,6 +173,9 @@ class LLMEngine:
                                                      seed=None if params.seed is None else (params.seed + i) % 2**64),
                              arrival_time=now, prompt=text) for i in range(1, params.n)]
         seq.group = [seq] + children
+        if self.config.recall_sample_every:
+            for s in seq.group:
+                s.recall = RequestRecall(self.model_config.num_hidden_layers)
         for child in children:
             child.prefix_parent = seq
         error = self._request_error(token_ids, params)
@@ -259,7 +264,10 @@ class LLMEngine:
         step = runner.prepare_step(batch.seqs, batch.num_tokens, batch.is_prefill, feed)
         logits = runner.forward(step, prev.device_tokens if feed is not None else None)
         cm.on_step_end(step)
+        # queued before the sampled tokens' copy, so reading those (a step later) finds these done
+        recall = step.recall.to_host(step.seqs) if step.recall is not None and step.recall.rows else None
         sampled = sample_step(step, logits, self._seq_generators, self.generator, self.eos_token_ids)
+        sampled.recall = recall
         sampled.prompt_rows = [(step.seqs[i], start, count) for i, start, count in step.prompt_logprob_rows]
         for seq, n in zip(batch.seqs, batch.num_tokens):
             cm.commit(seq, n)
@@ -271,6 +279,8 @@ class LLMEngine:
         if launched is None:
             return []
         host = launched.host()
+        if launched.recall is not None:
+            launched.recall.deliver()
         decode = self.tokenizer.decode if self.tokenizer is not None else None
         row = 0
         for seq, start, count in launched.prompt_rows:

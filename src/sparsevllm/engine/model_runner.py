@@ -12,6 +12,7 @@ import torch.distributed as dist
 from sparsevllm import distributed as tp
 from sparsevllm.config import EngineConfig
 from sparsevllm.engine.cache_manager.base import CacheManager
+from sparsevllm.engine.recall import RecallSample
 from sparsevllm.engine.sequence import Sequence
 from sparsevllm.engine.staging import HostStaging
 from sparsevllm.engine.step import StepState
@@ -228,6 +229,12 @@ class ModelRunner:
             max_seqlen_q=max(num_tokens), has_prefix=has_prefix, logits_indices=d64[3 * T:3 * T + S],
             prompt_logprob_rows=prompt_rows,
             feed_rows=d64[3 * T + S:] if F else None)
+        every = self.config.recall_sample_every
+        if every:   # decode: the rows at their every-th decode step; prefill: for a method measuring then
+            rows = [] if is_prefill else [i for i, s in enumerate(seqs)
+                                          if (s.num_computed_tokens - s.num_prompt_tokens) % every == 0]
+            if is_prefill or rows:
+                step.recall = RecallSample(rows, B, self.model_config.num_hidden_layers, self.device)
         cm.on_step_begin(step)
         return step
 
@@ -241,7 +248,9 @@ class ModelRunner:
             step.input_ids = torch.where(step.feed_rows >= 0, fed, step.input_ids)
             if tp.tp_size() > 1:
                 dist.broadcast(step.input_ids, src=0)   # the other ranks have no sampled tokens
-        if self.graphs is not None and not step.is_prefill and step.batch_size <= self.graphs.max_bs:
+        # A step measuring attention recall runs eagerly: the graphs hold no measurement.
+        if self.graphs is not None and not step.is_prefill and step.recall is None \
+                and step.batch_size <= self.graphs.max_bs:
             logits = self.graphs.replay(step)
             return logits.float() if logits is not None else None
         return self.eager_forward(step)

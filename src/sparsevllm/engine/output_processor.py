@@ -1,12 +1,14 @@
 """When a request stops, and what it returns: stop tokens, stop strings (found in the detokenised
 output, wherever the tokenizer split them), length limits, min_tokens; RequestOutput objects."""
+from sparsevllm.engine.recall import RequestRecall
 from sparsevllm.engine.sequence import Sequence
 from sparsevllm.outputs import CompletionOutput, RequestOutput
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer, eos_token_ids: set[int], max_model_len: int):
+    def __init__(self, tokenizer, eos_token_ids: set[int], max_model_len: int, recall_definition: str | None = None):
         self.tokenizer = tokenizer
+        self.recall_definition = recall_definition   # the method's, when attention recall is measured
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
         self._checked_chars: dict[int, int] = {}
@@ -72,6 +74,9 @@ class OutputProcessor:
         metrics = {"arrival_time": request.arrival_time, "first_token_time": min(firsts) if firsts else None,
                    "finish_time": max(times) if times else request.arrival_time,
                    "token_times": list(request.token_times)}
+        if request.recall is not None:
+            metrics["attention_recall"] = RequestRecall.summary([s.recall for s in request.group],
+                                                                self.recall_definition)
         return RequestOutput(request_id=str(request.seq_id), prompt=request.prompt,
                              prompt_token_ids=request.prompt_token_ids,
                              prompt_logprobs=request.prompt_logprobs, outputs=outputs,

@@ -23,6 +23,7 @@ class SampledStep:
         self.seqs, self.num_tokens, self.device_tokens = seqs, num_tokens, device_tokens
         self.rows = {s.seq_id: j for j, s in enumerate(seqs)}
         self.prompt_rows: list[tuple[Sequence, int, int]] = []   # (request, first position, count)
+        self.recall = None   # the step's attention-recall stats on their way to the host (engine/recall.py)
         tensors = dict(extras or {})
         if device_tokens is not None:
             tensors["tokens"] = device_tokens

@@ -37,6 +37,7 @@ class Sequence:
         self.arrival_time = arrival_time
         self.first_token_time: float | None = None
         self.token_times: list[float] = []
+        self.recall = None   # RequestRecall (engine/recall.py) when recall_sample_every > 0
         # The n samples of one request: the first is the request itself and prefills the prompt;
         # the others wait for it (prefix_parent) and then share its prompt pages.
         self.group: list[Sequence] = [self]

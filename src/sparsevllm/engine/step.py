@@ -2,10 +2,14 @@
 (PrefillView, DecodeView). The model runner builds the step (`ModelRunner.prepare_step`), the cache
 manager adds its extras and builds the views; the model passes the step down to its attention layers."""
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from sparsevllm.engine.sequence import Sequence
+
+if TYPE_CHECKING:
+    from sparsevllm.engine.recall import RecallSample
 
 
 @dataclass
@@ -82,6 +86,9 @@ class StepState:
     # same step (a filter layer's token scores to the layers after it, a compaction's kept tokens
     # to on_step_end). Under CUDA graphs it is filled once, while the graph is captured.
     scratch: dict[str, object] = field(default_factory=dict)
+    # Attention-recall measurements (engine/recall.py): set by the runner when recall_sample_every
+    # marks rows of a decode step (which then runs eagerly) and on every prefill step; None otherwise.
+    recall: "RecallSample | None" = None
 
     @property
     def batch_size(self) -> int:

@@ -44,17 +44,24 @@ SCORES_NUM_WARPS = 4
 SCORES_NUM_STAGES = 2
 MAX_SCORE_ITERS = 32    # blocks of staged token scores a program holds (32 x 64 fp32: 16 registers a thread at 4 warps)
 
+LN2 = 0.6931471805599453   # log-sum-exps leave the kernels in log2 units
+
 
 def decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          table: torch.Tensor, lengths: torch.Tensor, page_size: int,
-                         scale: float, token_scores: torch.Tensor | None = None) -> torch.Tensor:
+                         scale: float, token_scores: torch.Tensor | None = None,
+                         lse_out: torch.Tensor | None = None) -> torch.Tensor:
     """q: [B, H_q, D]; k_cache, v_cache: [num_slots, H_kv, D] -> out [B, H_q, D] in q's dtype.
 
     token_scores (G = 1 only): an fp32 [B, H_kv, >= N * P] buffer; entry (b, g, t) is set to the max
     over KV group g's query heads of the raw logit q . k_t * scale for every t < lengths[b] (entries
     past the length are left as they are). A filter layer's dense attention reports its token
     scores this way (OmniKV) instead of reading the keys a second time; the max over g is the
-    caller's. One writer per entry: no atomics, no -inf fill. A row of length 0 outputs zeros."""
+    caller's. One writer per entry: no atomics, no -inf fill. A row of length 0 outputs zeros.
+
+    lse_out (optional): an fp32 [B, H_q] buffer set to each query head's natural log-sum-exp of its
+    scaled logits over the view (-inf for a row of length 0): two views' difference of it is the
+    share of one's softmax mass on the other's tokens (attention recall, engine/recall.py)."""
     B, Hq, D = q.shape
     Hkv = k_cache.shape[1]
     G, N = table.shape[1], table.shape[2]
@@ -69,7 +76,10 @@ def decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         heads = (torch.arange(Hq, device=q.device) // (Hq // Hkv)).view(1, Hq, 1)
         k, v = k_cache[slots, heads].float(), v_cache[slots, heads].float()   # [B, H_q, T, D]
         scores = torch.einsum("bhd,bhtd->bht", q.float(), k) * scale
-        probs = torch.softmax(scores.masked_fill(~valid, float("-inf")), dim=-1)
+        scores = scores.masked_fill(~valid, float("-inf"))
+        if lse_out is not None:
+            lse_out.copy_(torch.logsumexp(scores, dim=-1))
+        probs = torch.softmax(scores, dim=-1)
         probs = probs.masked_fill(~valid, 0.0)   # an empty row (length 0): zeros as the kernel, not NaN
         return torch.einsum("bht,bhtd->bhd", probs, v).to(q.dtype)
     if G == 1:
@@ -87,6 +97,8 @@ def decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         assert G == 1, "token_scores needs a decode view shared by all heads (G = 1)"
         best = scores.amax(dim=2)                                          # [B, H_kv, T]
         token_scores[:, :, :T] = torch.where(valid, best, token_scores[:, :, :T])
+    if lse_out is not None:
+        lse_out.copy_(torch.logsumexp(scores, dim=-1).reshape(B, Hq))
     probs = torch.softmax(scores, dim=-1).masked_fill(~valid.unsqueeze(2), 0.0)   # length 0: zeros, not NaN
     out = torch.einsum("bhgt,bhtd->bhgd", probs, v.float())
     return out.reshape(B, Hq, D).to(q.dtype)
@@ -226,7 +238,8 @@ def num_splits(batch: int, num_kv_heads: int, table_width: int, page_size: int,
 
 def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             table: torch.Tensor, lengths: torch.Tensor, page_size: int,
-                            scale: float, token_scores: torch.Tensor | None = None) -> torch.Tensor:
+                            scale: float, token_scores: torch.Tensor | None = None,
+                            lse_out: torch.Tensor | None = None) -> torch.Tensor:
     """Same contract as decode_attention_ref."""
     B, Hq, D = q.shape
     Hkv = k_cache.shape[1]
@@ -246,7 +259,7 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         split_tokens = -(-(N * P) // S)                       # the kernel's per_split, before rounding
         score_iters = pow2(-(-split_tokens // BLOCK_N))
     out = torch.empty_like(q)
-    direct = S == 1
+    direct = S == 1 and lse_out is None   # the log-sum-exp is the splits' (mid_lse), merged below
     mid_o = torch.empty(B, Hq, 1 if direct else S, D, dtype=torch.float32, device=q.device)
     mid_lse = torch.empty(B, Hq, 1 if direct else S, dtype=torch.float32, device=q.device)
     upcast = upcast_loads(q.dtype)
@@ -278,10 +291,12 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         mid_o, mid_lse, out, mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
         mid_lse.stride(0), mid_lse.stride(1), out.stride(0), out.stride(1), S,
         BLOCK_S=pow2(S), HEAD_DIM=D, BLOCK_D=BLOCK_D, PDL=on, num_warps=4, **launch)
+    if lse_out is not None:   # the splits' log2-domain sums, merged and taken to natural log
+        lse_out.copy_(torch.logsumexp(mid_lse * LN2, dim=-1))
     return out
 
 
-def decode_attention(q, k_cache, v_cache, table, lengths, page_size, scale, token_scores=None):
+def decode_attention(q, k_cache, v_cache, table, lengths, page_size, scale, token_scores=None, lse_out=None):
     if use_triton(q):
-        return decode_attention_triton(q, k_cache, v_cache, table, lengths, page_size, scale, token_scores)
-    return decode_attention_ref(q, k_cache, v_cache, table, lengths, page_size, scale, token_scores)
+        return decode_attention_triton(q, k_cache, v_cache, table, lengths, page_size, scale, token_scores, lse_out)
+    return decode_attention_ref(q, k_cache, v_cache, table, lengths, page_size, scale, token_scores, lse_out)

@@ -11,6 +11,7 @@ import os
 import torch
 from torch import nn
 
+from sparsevllm.engine.recall import measured_attention
 from sparsevllm.engine.step import StepState, StoreTarget
 from sparsevllm.kernels.decode_attention import decode_attention
 from sparsevllm.kernels.prefill_attention import prefill_attention
@@ -52,5 +53,7 @@ class Attention(nn.Module):
                                      view.cache_lens, step.max_seqlen_q, step.has_prefix, view.page_size,
                                      self.scale, step.num_tokens)
         view = cm.build_decode_view(self.layer_id, q, step)
+        if step.recall is not None:   # a sampled step (recall_sample_every): also measured against the dense view
+            return measured_attention(self.layer_id, q, view, self.scale, cm, step)
         return decode_attention(q, view.k_cache, view.v_cache, view.table, view.lengths, view.page_size,
                                 self.scale, view.token_scores)

@@ -44,6 +44,9 @@ class CacheManager:
     prefill_policy: str = "chunked"          # or "full_prompt": the method needs the whole prompt in one step
     capabilities: Capabilities = Capabilities()
     method_name: str = "base"                # the registry name, set by each method
+    # What metrics["attention_recall"] means for this method (docs/design.md, section 10).
+    recall_definition: str = ("dense: every layer attends every token the request holds; recall 1.0 and "
+                              "output error 0.0 exactly, no layer is measured")
 
     def __init__(self, config: EngineConfig, model_config: ModelConfig, num_kv_heads: int, num_pages: int,
                  dtype: torch.dtype, device: torch.device):
@@ -235,6 +238,13 @@ class CacheManager:
         k_cache, v_cache = self.pool.layer(layer_id)
         return DecodeView(k_cache, v_cache, step.block_tables.unsqueeze(1), step.cache_lens.unsqueeze(1),
                           self.page_size)
+
+    def recall_view(self, layer_id: int, step: StepState) -> DecodeView | None:
+        """On a decode step that measures attention recall (step.recall; it runs eagerly): a
+        DecodeView over every token each request holds in this layer, with the keys the method's
+        view reads (its tokens a subset of these), or None where the layer attends densely already
+        (nothing to measure); a row of length 0 is not measured. Dense: None."""
+        return None
 
     def on_step_end(self, step: StepState) -> None:
         """Eviction, compaction or compression after the forward was issued (on the host, outside

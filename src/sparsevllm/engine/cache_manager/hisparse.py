@@ -86,6 +86,10 @@ class HiSparseConfig(MethodConfig):
 class HiSparseCacheManager(CacheManager):
     method_name = "hisparse"
     config_cls = HiSparseConfig
+    recall_definition = ("exact: per layer of an offloaded request, the share of the dense softmax mass over its "
+                         "host copy of every token (per query head, averaged over heads; the dense pass reads "
+                         "pinned host memory) on the pages its hot buffer attends; requests on the fast path "
+                         "(short, or within the hot buffer) are dense and not measured")
     # Not under tensor parallelism yet: its one page set per request and layer would need the page
     # bounds summed across ranks (combine_shared_scores) and a host pool per rank; untested.
     capabilities = Capabilities(cuda_graph=True, prefix_cache=False, tensor_parallel=False)
@@ -417,3 +421,16 @@ class HiSparseCacheManager(CacheManager):
         lengths = torch.where(active, view_lens, lens)
         return DecodeView(k_cache, v_cache, tab.to(torch.int32).unsqueeze(1).contiguous(),
                           lengths.to(torch.int32).unsqueeze(1).contiguous(), P)
+
+    def recall_view(self, layer_id: int, step: StepState) -> DecodeView | None:
+        """Every page an offloaded request holds, read from its host copy (decode writes through
+        before attention, so the current token is there too); other rows are dense: length 0."""
+        if self.host_tables.shape[1] <= self.view_pages or self._none_in(step, self.decoding):
+            return None
+        rows = step.extras["hisparse_rows"]
+        active = self.offloaded[rows] & (step.slot_mapping >= 0)
+        host_k, host_v = self.host.layer(layer_id)
+        lengths = torch.where(active, step.cache_lens, 0).to(torch.int32)
+        table = self.host_tables[rows]
+        table = torch.where(table == self.trash, 0, table)   # the trash page has no host storage
+        return DecodeView(host_k, host_v, table.unsqueeze(1), lengths.unsqueeze(1), self.page_size)

@@ -92,6 +92,9 @@ class OmniKVCacheManager(CacheManager):
     # ranks before top-k, so every rank attends the same tokens.
     capabilities = Capabilities(tensor_parallel=True, dense_decode=False)
     config_cls = OmniKVConfig
+    recall_definition = ("exact: per sparse layer, the share of the dense softmax mass (every token the request "
+                         "holds, per query head, averaged over heads) on the filter layer's selected prompt tokens "
+                         "and every generated token; dense and filter layers are not measured")
 
     def __init__(self, *args):
         super().__init__(*args)
@@ -150,6 +153,9 @@ class OmniKVCacheManager(CacheManager):
         table, lengths = selection(step, f"omnikv.{source}", lambda scores: self._select(scores, step))
         k_cache, v_cache = self.pool.layer(layer_id)
         return DecodeView(k_cache, v_cache, table, lengths, 1)
+
+    def recall_view(self, layer_id: int, step: StepState) -> DecodeView | None:
+        return CacheManager.build_decode_view(self, layer_id, None, step) if self.roles[layer_id][0] == "sparse" else None
 
     def _select(self, scores: torch.Tensor, step: StepState):
         if scores.dim() == 3:    # the filter attention's per-group maxima: [B, H_kv, T] -> [B, T]

@@ -90,6 +90,9 @@ class QuestCacheManager(CacheManager):
     # every rank's heads (one all-reduce per sparse layer) so all ranks pick the same pages.
     capabilities = Capabilities(tensor_parallel=True, dense_decode=False)
     config_cls = QuestConfig
+    recall_definition = ("exact: per sparse layer, the share of the dense softmax mass (every token the request "
+                         "holds, per query head, averaged over heads) on the selected pages; layers below "
+                         "quest_skip_layers and requests within the page budget are dense and not measured")
 
     def __init__(self, *args):
         super().__init__(*args)
@@ -183,6 +186,9 @@ class QuestCacheManager(CacheManager):
         i = layer_id - self.skip_layers
         page_bounds(self.pool.layer(layer_id)[0], step.extras["quest_last_slots"], self.kmin[i], self.kmax[i],
                     self.page_size)
+
+    def recall_view(self, layer_id: int, step: StepState) -> DecodeView | None:
+        return CacheManager.build_decode_view(self, layer_id, None, step) if self._scores(layer_id, step) else None
 
     def build_decode_view(self, layer_id: int, q: torch.Tensor, step: StepState) -> DecodeView:
         if not self._scores(layer_id, step):

@@ -55,6 +55,7 @@ from sparsevllm.engine.cache_manager.base import CacheManager, Capabilities
 from sparsevllm.engine.sequence import Sequence
 from sparsevllm.engine.staging import to_device
 from sparsevllm.engine.step import StepState
+from sparsevllm.kernels.decode_attention import decode_attention
 from sparsevllm.kernels.snapkv import select_kept, window_scores
 from sparsevllm.models.config import ModelConfig
 
@@ -95,6 +96,7 @@ class _Compaction:
     row_end: int         # one past its last query row in the step's q
     window: int
     kept: list[torch.Tensor] = field(default_factory=list)   # per layer [H_kv, C] int64
+    recall: list[torch.Tensor] = field(default_factory=list)  # per layer (recall, error), when measured
 
 
 class SnapKVCacheManager(CacheManager):
@@ -103,6 +105,11 @@ class SnapKVCacheManager(CacheManager):
     # on page counts and refcounts, which every rank replays identically (see tensor_parallel.py).
     capabilities = Capabilities(tensor_parallel=True)
     config_cls = SnapKVConfig
+    recall_definition = ("at compaction time (decode attends every token it keeps and is not measured): per layer, "
+                         "the observation window's queries' share of their softmax mass over the whole prompt "
+                         "(causal, per query head, averaged over heads and window queries) on the tokens kept "
+                         "for their KV head, and the relative error of their attention output over the kept "
+                         "tokens; prompts within snapkv_capacity are untouched and not measured")
 
     def __init__(self, *args):
         super().__init__(*args)
@@ -236,12 +243,40 @@ class SnapKVCacheManager(CacheManager):
                                    c.seq.num_prompt_tokens, self.page_size, self.scale)
             # Select now rather than at step end: [H_kv, C] indices per layer instead of [H_kv, L] scores.
             c.kept.append(select_kept(scores, c.window, self.capacity, self.kernel_size, self.pooling))
+            if step.recall is not None:
+                c.recall.append(self._window_recall(q[c.row_end - c.window:c.row_end], k_cache, self.pool.layer(layer_id)[1],
+                                                    step.block_tables[c.index], c.seq.num_prompt_tokens, c.kept[-1]))
 
     def on_step_end(self, step: StepState) -> None:
         for c in step.scratch.get("snapkv.compactions", []):
             if len(c.kept) == self.num_layers:
                 self._compact(c.seq, torch.stack(c.kept))
+                if c.recall:   # the compaction's measurement reaches the request with the step's tokens
+                    step.recall.stats[c.index] = torch.cat([torch.stack(c.recall), torch.ones(self.num_layers, 1,
+                                                            device=self.device)], dim=1)
+                    step.recall.rows.append(c.index)
             self._compacting.pop(c.seq.seq_id, None)
+
+    def _window_recall(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor,
+                       length: int, kept: torch.Tensor) -> torch.Tensor:
+        """The window queries q [w, H_q, D] (positions length - w ..) attend, causally, once over the
+        whole prompt and once over the kept tokens kept [H_kv, C] (ascending, the window last): the
+        mean over queries and heads of exp(lse_kept - lse_prompt), their mass share, and of the
+        outputs' relative error -> [2] fp32. Decode attention does both passes: a row per query."""
+        w, Hq, _ = q.shape
+        C, P = kept.shape[1], self.page_size
+        below = torch.arange(w, device=q.device, dtype=torch.int32).view(w, 1) + 1 - w   # causal: query i sees i - w + 1 more
+        dense_table = table.view(1, 1, -1).expand(w, 1, table.shape[0])
+        slots = (table.long()[kept // P] * P + kept % P).to(torch.int32)                # [H_kv, C]
+        kept_table = slots.unsqueeze(0).expand(w, -1, -1)
+        kept_lens = (C + below).expand(w, kept.shape[0]).contiguous()
+        lse, lse_dense = (torch.empty(w, Hq, dtype=torch.float32, device=q.device) for _ in range(2))
+        out = decode_attention(q, k_cache, v_cache, kept_table, kept_lens, 1, self.scale, None, lse).float()
+        dense = decode_attention(q, k_cache, v_cache, dense_table, (length + below).contiguous(), P, self.scale, None,
+                                 lse_dense).float()
+        recall = torch.exp(lse - lse_dense).clamp(max=1.0).mean()
+        error = ((out - dense).flatten(1).norm(dim=1) / dense.flatten(1).norm(dim=1).clamp(min=1e-30)).mean()
+        return torch.stack([recall, error])
 
     # ---- compaction ------------------------------------------------------------------------------
     def _compact(self, seq: Sequence, kept: torch.Tensor) -> None:

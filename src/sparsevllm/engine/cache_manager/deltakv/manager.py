@@ -53,6 +53,10 @@ class SlotStack:
 class DeltaKVCacheManager(Compression, CacheManager):
     method_name = "deltakv"
     config_cls = DeltaKVConfig
+    recall_definition = ("against its rebuilt keys: per sparse layer, the share of the softmax mass over every token "
+                         "the request holds, compressed tokens rebuilt from their latents as its prefill attends "
+                         "them (per query head, averaged over heads), on the decode view (sink, selected rebuilt "
+                         "tokens, raw tail); full layers are dense and not measured")
     # Not under tensor parallelism: the compressor maps all KV heads of a token together ([K; V] of
     # every head -> one latent), so a rank owning some heads cannot compress its part alone.
     capabilities = Capabilities(prefix_cache=False, tensor_parallel=False)
@@ -308,11 +312,19 @@ class DeltaKVCacheManager(Compression, CacheManager):
         if "deltakv.prefix" not in step.scratch:   # nothing compressed yet: the raw slots are the prefix
             return PrefillView(k_cache, v_cache, step.extras["deltakv_raw_tables"], step.cache_lens, 1)
         lens, offsets, table = step.scratch["deltakv.prefix"]
+        out_k, out_v = self._rebuild(i, step, range(len(lens)), lens, offsets)
+        return PrefillView(out_k, out_v, table, step.cache_lens, 1)
+
+    def _rebuild(self, i: int, step: StepState, batch_rows, lens: list[int], offsets: list[int]):
+        """Sparse layer i's first lens[j] tokens of request batch_rows[j], raw ones copied and
+        compressed ones rebuilt (up(z) + references, RoPE at their positions), at offsets[j] of
+        one new [sum(lens), H, D] K and V."""
+        k_cache, v_cache = self.raw.layer(i)
         out_k = torch.empty(sum(lens), self.num_kv_heads, self.head_dim, dtype=self.dtype, device=self.device)
         out_v = torch.empty_like(out_k)
         P, codec = self.page_size, self.codecs[i]
         rows = step.extras["deltakv_rows"]
-        for b, (length, off) in enumerate(zip(lens, offsets)):
+        for b, length, off in zip(batch_rows, lens, offsets):
             for a in range(0, length, PREFIX_PIECE):
                 m = min(PREFIX_PIECE, length - a)
                 pos = self.positions[0, a:a + m].long()
@@ -322,7 +334,25 @@ class DeltaKVCacheManager(Compression, CacheManager):
                             rows[b:b + 1], self.raw_map, k_cache, v_cache, up_z.contiguous(), self.neighbors[i],
                             latent_slots.view(1, m), 0, self.cos_sin, out_k[off + a:off + a + m],
                             out_v[off + a:off + a + m])
-        return PrefillView(out_k, out_v, table, step.cache_lens, 1)
+        return out_k, out_v
+
+    def recall_view(self, layer_id: int, step: StepState) -> DecodeView | None:
+        """A sparse layer: every token of each sampled request as its prefill would attend them
+        (compressed ones rebuilt), in a buffer made for this step; other rows have length 0."""
+        if self.roles[layer_id][0] != "sparse":
+            return None
+        rows = step.recall.rows
+        lens = [step.seqs[b].cache_len + 1 for b in rows]   # + this decode step's token
+        offsets = np.cumsum([0] + lens[:-1]).tolist()
+        out_k, out_v = self._rebuild(self.index[layer_id], step, rows, lens, offsets)
+        B, width = step.batch_size, max(lens)
+        table = np.zeros((B, 1, width), dtype=np.int32)
+        lengths = np.zeros((B, 1), dtype=np.int32)
+        for b, length, off in zip(rows, lens, offsets):
+            table[b, 0, :length] = np.arange(off, off + length)
+            lengths[b, 0] = length
+        return DecodeView(out_k, out_v, to_device(table, self.device, torch.int32),
+                          to_device(lengths, self.device, torch.int32), 1)
 
     def build_decode_view(self, layer_id: int, q: torch.Tensor, step: StepState) -> DecodeView:
         role, source = self.roles[layer_id]
