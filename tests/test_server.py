@@ -365,3 +365,39 @@ def test_a_body_that_is_not_a_json_object_is_a_400_naming_no_field(tiny_server, 
     code, text = http("POST", url + "/v1/completions", body, key=None)
     error = json.loads(text)["error"]
     assert code == 400 and error["message"].startswith(message) and error["param"] is None, text
+
+
+def test_recall_sample_every_reports_recall_histograms_in_metrics(tmp_path, capsys):
+    """--recall-sample-every: each finished request's attention recall and output error in /metrics."""
+    import os
+    import sys
+    sys.path.insert(0, os.path.dirname(__file__))
+    from regression_fixtures import build_tiny_llama
+    from sparsevllm.serve.cli import main
+    assert main(["--recall-sample-every", "-1"]) == 2 and "recall_sample_every" in capsys.readouterr().err
+    llm = LLM(build_tiny_llama(str(tmp_path), max_position_embeddings=256), device="cpu",
+              vllm_sparse_method="quest", quest_token_budget=16, quest_skip_layers=0, page_size=4,
+              recall_sample_every=2)
+    async_llm = AsyncLLM(llm.engine)
+    port = free_port()
+    srv = uvicorn.Server(uvicorn.Config(build_app(async_llm, "tiny"), host="127.0.0.1", port=port,
+                                        log_level="warning"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    while not srv.started:
+        time.sleep(0.05)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        for _ in range(2):
+            code, body = post(url + "/v1/completions", {"prompt": "hello world " * 20, "max_tokens": 6,
+                                                        "temperature": 0, "ignore_eos": True})
+            assert code == 200, body
+        text = http("GET", url + "/metrics", key=None)[1]
+        rows = dict(line.rsplit(" ", 1) for line in text.splitlines() if not line.startswith("#"))
+        assert rows['sparsevllm_attention_recall_count{model="tiny"}'] == "2"
+        assert rows['sparsevllm_attention_recall_output_rel_error_count{model="tiny"}'] == "2"
+        assert 0.0 < float(rows['sparsevllm_attention_recall_sum{model="tiny"}']) < 2.0
+    finally:
+        srv.should_exit = True
+        thread.join(timeout=30)
+        async_llm.shutdown()

@@ -24,6 +24,9 @@ logger = logging.getLogger(__name__)
 
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+# Attention recall (a share) and the output's relative error, per finished request (recall_sample_every).
+RECALL_BUCKETS = (0.5, 0.75, 0.9, 0.95, 0.98, 0.99, 0.995, 0.999, 1.0)
+ERROR_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
 
 
 class Histogram:
@@ -50,6 +53,8 @@ class Stats:
     started: float = field(default_factory=time.time)
     ttft: Histogram = field(default_factory=Histogram)
     itl: Histogram = field(default_factory=Histogram)
+    recall: Histogram = field(default_factory=lambda: Histogram(RECALL_BUCKETS))
+    recall_error: Histogram = field(default_factory=lambda: Histogram(ERROR_BUCKETS))
 
 
 class _Stream:
@@ -201,6 +206,10 @@ class AsyncLLM:
             batches.setdefault(stream.loop, []).append((stream, out))
             if finished:
                 self.stats.requests_finished += 1
+                recall = out.metrics.get("attention_recall")
+                if recall and recall["mean"] is not None:
+                    self.stats.recall.observe(recall["mean"])
+                    self.stats.recall_error.observe(recall["output_rel_error"])
                 del self._streams[seq_id]
         for loop, batch in batches.items():
             if not _call_soon(loop, _deliver, batch):   # nobody reads these streams any more

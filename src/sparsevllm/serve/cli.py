@@ -1,13 +1,14 @@
 """python -m sparsevllm.serve: an OpenAI-compatible server (FastAPI + uvicorn, the `server` extra).
 
     python -m sparsevllm.serve [--model DIR] [--sparse-method NAME] [--host H] [--port P]
-        [--api-key KEY] [--hyper-params JSON] [--<knob> VALUE ...]
+        [--api-key KEY] [--recall-sample-every N] [--hyper-params JSON] [--<knob> VALUE ...]
 
 One server, one model and one sparse method (`/v1/models` names both). Endpoints:
 /v1/completions and /v1/chat/completions (streaming over SSE or not), /v1/models, /health and
-/metrics (Prometheus text). Requests join the running batch as they arrive; a client that
-disconnects frees its KV at once; a bad request gets a 4xx error in OpenAI's shape and the server
-goes on. --api-key guards the /v1/ routes only: /health and /metrics answer without it.
+/metrics (Prometheus text; with --recall-sample-every N, histograms of each finished request's
+attention recall and output error: docs/design.md, section 10). Requests join the running batch as
+they arrive; a client that disconnects frees its KV at once; a bad request gets a 4xx error in
+OpenAI's shape and the server goes on. --api-key guards the /v1/ routes only: /health and /metrics answer without it.
 """
 import argparse
 import json
@@ -50,6 +51,9 @@ def main(argv=None) -> int:
                     help="require 'Authorization: Bearer KEY' (default: $SPARSEVLLM_API_KEY, else none)")
     ap.add_argument("--tensor-parallel-size", type=int, default=1,
                     help="tensor-parallel ranks, one process and one GPU each (default: 1)")
+    ap.add_argument("--recall-sample-every", type=int, default=0,
+                    help="measure attention recall every N-th decode step of each request, reported in "
+                         "/metrics (default: 0, off)")
     ap.add_argument("--hyper-params", default="{}", help="JSON of engine and method knobs")
     args, extra = ap.parse_known_args(argv)
     try:   # the server's and the engine's imports (torch, fastapi) wait until --help has answered
@@ -61,6 +65,8 @@ def main(argv=None) -> int:
         knobs = parse_knobs(extra, args.hyper_params)
         if args.tensor_parallel_size != 1:
             knobs["tensor_parallel_size"] = args.tensor_parallel_size
+        if args.recall_sample_every:
+            knobs["recall_sample_every"] = args.recall_sample_every
         llm = LLM(args.model, vllm_sparse_method=args.sparse_method, **knobs)
         name = args.served_model_name or (os.path.basename(os.path.normpath(args.model)) if args.model
                                           else "smollm2-135m")

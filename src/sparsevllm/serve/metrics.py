@@ -31,4 +31,9 @@ def prometheus(llm: AsyncLLM, model: str) -> str:
            st.generation_tokens / max(time.time() - st.started, 1e-9))
     histogram("sparsevllm_time_to_first_token_seconds", "time to first token", st.ttft)
     histogram("sparsevllm_inter_token_latency_seconds", "time between consecutive tokens", st.itl)
+    if eng.config.recall_sample_every:
+        histogram("sparsevllm_attention_recall", "per finished request, the mean share of the dense attention "
+                  "mass its sparse views attend (recall_sample_every)", st.recall)
+        histogram("sparsevllm_attention_recall_output_rel_error", "per finished request, the mean relative error of "
+                  "the sparse attention output against the dense one", st.recall_error)
     return "\n".join(lines) + "\n"
