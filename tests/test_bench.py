@@ -248,6 +248,7 @@ def test_synthetic_prompts_have_exact_length_and_no_special_ids():
     (["--lengths", "abc"], "--lengths: 'abc' is not an integer"),
     (["--output_len", "0"], "--output_len 0 is invalid"),
     (["--model_path", "no-such-preset"], "neither a model folder nor a preset"),
+    (["--recall_sample_every", "-1"], "recall_sample_every=-1 is invalid"),
 ])
 def test_bad_input_fails_before_any_model_loads(args, message, tmp_path, monkeypatch, capsys):
     def no_sweep(*a, **k):
@@ -358,3 +359,18 @@ def test_warmup_decodes_past_a_deltakv_decode_time_compression():
     assert spread > 1
     start = knobs.compressed_until(prompt, prompt)
     assert knobs.compressed_until(prompt, prompt + bench_case.WARMUP_DECODE_TOKENS, spread) > start
+
+
+def test_recall_sample_every_puts_the_mean_attention_recall_in_the_row(tmp_path):
+    """--recall_sample_every N: a case's row carries attention_recall (the mean over its requests)."""
+    args = bench_sparse_vllm.build_parser().parse_args(
+        ["--model_path", "tiny", "--methods", "quest", "--lengths", "96", "--batch_sizes", "2", "--output_len", "6",
+         "--recall-sample-every", "2", "--hyper_params", '{"quest_token_budget": 32, "quest_skip_layers": 0, "num_kv_pages": 40}',
+         "--out_dir", str(tmp_path)])
+    plan = bench_sparse_vllm.validate(args)
+    case = {"method": "quest", "length": 96, "batch": 2, "output_len": 6, "vary_output": False, "repeat": 1,
+            "seed": 0, "model_dir": bench_sparse_vllm.model_dir(args, plan), "model_config": plan["model_config"],
+            "engine_kwargs": dict(plan["knobs"]["quest"], max_num_seqs=2), "kv_tokens_stored": None}
+    result = bench_case.run_engine_case(case)
+    assert 0.0 < result["attention_recall"] < 1.0 and result["attention_recall_output_rel_error"] > 0
+    assert "attention_recall" in bench_case.METRIC_KEYS

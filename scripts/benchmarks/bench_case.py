@@ -22,7 +22,7 @@ class KVCapacityError(RuntimeError):
 METRIC_KEYS = ("ttft_mean_s", "ttft_max_s", "prefill_tok_s", "decode_tok_s", "itl_p50_ms", "itl_p99_ms",
                "decode_window_tokens", "decode_window_s", "concurrent", "decoded_tokens", "execution_mode",
                "dtype", "memory_accounting", "memory_accounting_peak", "peak_device_bytes", "max_rss_bytes",
-               "resolved_config")
+               "resolved_config", "attention_recall", "attention_recall_output_rel_error")
 
 
 def make_prompts(cfg: dict, batch: int, length: int, seed: int) -> list[list[int]]:
@@ -193,7 +193,7 @@ def run_engine_case(case: dict) -> dict:
     llm.generate(_warmup_prompts(cfg, case), SamplingParams(temperature=0.0, ignore_eos=True,
                                                             max_tokens=WARMUP_DECODE_TOKENS), use_tqdm=False)
     peak = _track_peak_accounting(llm)
-    runs, decoded = [], []
+    runs, decoded, recalls = [], [], []
     for r in range(case["repeat"]):
         # fresh prompts each repeat, so the prefix cache cannot turn a repeat's prefill into a lookup
         prompts = make_prompts(cfg, case["batch"], case["length"], seed=case["seed"] + r)
@@ -207,7 +207,11 @@ def run_engine_case(case: dict) -> dict:
         runs.append(timing_metrics(start, [m["first_token_time"] for m in ms], [m["finish_time"] for m in ms],
                                    [m["token_times"] for m in ms], case["batch"], case["length"]))
         decoded.append(sum(len(o.outputs[0].token_ids) for o in outs))
+        recalls += [m["attention_recall"] for m in ms if (m.get("attention_recall") or {}).get("mean") is not None]
     result.update(median_metrics(runs))
+    if recalls:   # recall_sample_every: the mean over every request of every repeat
+        result.update(attention_recall=statistics.mean(r["mean"] for r in recalls),
+                      attention_recall_output_rel_error=statistics.mean(r["output_rel_error"] for r in recalls))
     result.update(decoded_tokens=decoded[-1], expected_decoded_tokens=sum(out_lens),
                   memory_accounting=_jsonable(accounting), memory_accounting_peak=peak or None, **_memory(torch))
     return result

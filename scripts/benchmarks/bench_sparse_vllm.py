@@ -100,6 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
                         f"({bench_roofline.DEFAULT_HBM_BW:.3g}) on a GPU; on a CPU this machine's copy rate, "
                         "measured at the start")
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic prompts")
+    p.add_argument("--recall_sample_every", "--recall-sample-every", type=int, default=0,
+                   help="measure attention recall every N-th decode step of each request; rows get "
+                        "attention_recall (mean over requests) and its output error (default: 0, off)")
     p.add_argument("--case_timeout", type=float, default=3600.0,
                    help="seconds after which a case's process is killed and recorded as failed")
     return p
@@ -147,6 +150,8 @@ def validate(args) -> dict:
         raise ValueError(f"--tp {args.tp} is invalid; it must be an integer >= 1")
     if args.tp > 1:
         knobs["tensor_parallel_size"] = args.tp
+    if args.recall_sample_every:   # an engine knob like any other: make_config validates it
+        knobs["recall_sample_every"] = args.recall_sample_every
     model_cfg, is_preset = load_model_config(args.model_path)
     if is_preset:
         if knobs.get("load_format", "dummy") != "dummy":
