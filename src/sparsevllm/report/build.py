@@ -111,10 +111,15 @@ def make_report(opts: Options) -> dict:
     elif missing:
         notes.append(f"accuracy skipped: the embedded model is not installed here ({missing})")
     else:
-        accuracy, acc_notes = run_accuracy(g, cells, opts.out_dir, model=opts.model,
-                                           recall_every=opts.recall_every if recall_on else 0,
-                                           deltakv_compressor=opts.deltakv_compressor)
-        notes += acc_notes
+        try:
+            accuracy, acc_notes = run_accuracy(g, cells, opts.out_dir, model=opts.model,
+                                               recall_every=opts.recall_every if recall_on else 0,
+                                               deltakv_compressor=opts.deltakv_compressor)
+            notes += acc_notes
+        except Exception as e:   # e.g. a length the task's prompt cannot fit: the speed half still runs
+            logger.exception("the accuracy half failed")
+            accuracy = {c: {"status": "failed", "accuracy": None, "recall": None, "per_task": {},
+                            "error": f"{type(e).__name__}: {e}"} for c in cells}
 
     speed, accounting = {}, {}
     speed_model = g.speed_model or (None if missing else model_folder(opts.model))
