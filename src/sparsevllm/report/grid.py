@@ -48,6 +48,7 @@ QUICK = Grid(
     name="quick", methods=["vanilla", "quest", "snapkv", "omnikv"], budgets=[64, 128],
     tasks=["niah_single_number_noise"], lengths=[512], samples=4,
     speed_model=None, speed_length=512, speed_batch=2, output_len=32,
+    # for --methods ...,hisparse: its default keeps prompts under 2048 tokens dense and pins 8 GB
     method_knobs={"hisparse": {"hisparse_min_prompt_len": 256, "hisparse_host_memory_gb": 0.25}},
 )
 

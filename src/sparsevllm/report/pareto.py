@@ -20,14 +20,13 @@ def speed_fields(record: dict | None) -> dict:
     """A speed cell's record -> decode tok/s, TTFT and the measured peak KV bytes per request."""
     row = (record or {}).get("row") or {}
     out = {"speed_status": (record or {}).get("status", "not run"), "speed_error": (record or {}).get("error"),
-           "decode_tok_s": None, "ttft_s": None, "kv_bytes_measured": None, "speed_recall": None}
+           "decode_tok_s": None, "ttft_s": None, "kv_bytes_measured": None}
     if out["speed_status"] != "ok":
         return out
     peak = row.get("memory_accounting_peak") or {}
     used = peak.get("kv_used_bytes")
     out.update(decode_tok_s=row.get("decode_tok_s"), ttft_s=row.get("ttft_mean_s"),
-               kv_bytes_measured=None if used is None else used / row["batch"],
-               speed_recall=(row.get("attention_recall") or {}).get("mean"))
+               kv_bytes_measured=None if used is None else used / row["batch"])
     return out
 
 
