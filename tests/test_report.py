@@ -114,6 +114,45 @@ def test_page_shows_recall_beside_accuracy_and_marks_failed_cells():
     assert not re.search(r"<(img|script|link)\b", doc)   # self-contained: nothing fetched
 
 
+# ---- the harness's side: the swept budgets and its summary read back per cell -----------------------------
+def test_budgets_become_the_harness_sweep_and_its_summary_comes_back_per_cell():
+    from sparsevllm.report.accuracy import cell_results, hyper_params
+    grid = dataclasses.replace(QUICK, methods=["vanilla", "quest", "snapkv"], budgets=[64, 128])
+    hp = hyper_params(grid, cells(grid), {"recall_sample_every": 16})
+    assert hp == {"recall_sample_every": 16, "quest": {"quest_token_budget": [64, 128]},
+                  "snapkv": {"snapkv_capacity": [64, 128]}}
+
+    def cell(label, method, sweep, task, acc, recall=None, errors=0):
+        return {"label": label, "method": method, "sweep": sweep, "task": task, "length": 512, "accuracy": acc,
+                "errors": errors, "missing": 0, "attention_recall": recall}
+    summary = {"cells": [cell("vanilla", "vanilla", {}, "a", 100.0, 1.0), cell("vanilla", "vanilla", {}, "b", 50.0, 1.0),
+                         cell("quest[quest_token_budget=64]", "quest", {"quest_token_budget": 64}, "a", 80.0, 0.9),
+                         cell("quest[quest_token_budget=64]", "quest", {"quest_token_budget": 64}, "b", 40.0, 0.7),
+                         cell("snapkv[snapkv_capacity=64]", "snapkv", {"snapkv_capacity": 64}, "a", None, errors=4)]}
+    out = cell_results(summary, ["snapkv[snapkv_capacity=64]: LLM(): RuntimeError('no')"])
+    assert out[Cell("vanilla", None)]["accuracy"] == 75.0 and out[Cell("vanilla", None)]["recall"] == 1.0
+    quest = out[Cell("quest", 64)]
+    assert quest["accuracy"] == 60.0 and quest["recall"] == pytest.approx(0.8)
+    assert quest["per_task"] == {"a@512": 80.0, "b@512": 40.0} and quest["status"] == "ok"
+    snap = out[Cell("snapkv", 64)]
+    assert snap["status"] == "failed" and "RuntimeError('no')" in snap["error"]
+
+
+def test_the_harness_averages_each_requests_attention_recall_into_its_cell():
+    from types import SimpleNamespace
+
+    from sparsevllm.regression import report as regression_report
+    from sparsevllm.regression.runner import RunConfig
+    from sparsevllm.regression.variants import Variant
+    v = Variant("quest", "quest", {}, {}, "quest")
+    samples = [SimpleNamespace(task="niah", length=512, index=i, metric="contains", prompt_token_ids=[1, 2])
+               for i in range(2)]
+    records = {i: {"score": 1.0, "error": None, "latency_s": 0.1, "attention_recall": {"mean": m}}
+               for i, m in enumerate([0.5, 0.7])}
+    summary = regression_report.summarize(RunConfig(), [v], samples, records, lambda v, s: s.index, False)
+    assert summary["cells"][0]["attention_recall"] == pytest.approx(0.6)
+
+
 # ---- a failed speed cell, and the speed store's resumability -----------------------------------------------
 def test_a_failed_speed_cell_is_recorded_and_rerun_while_finished_cells_are_not(tmp_path, monkeypatch):
     grid = dataclasses.replace(QUICK, methods=["vanilla", "quest"], budgets=[64, 128])

@@ -46,9 +46,9 @@ def model_folder(model: str | None) -> str:
 def accounting_for(grid: Grid, cells, speed: dict, speed_model: str, preset: bool) -> dict:
     """Cell -> budget accounting on the speed model at the speed length (None where it fails)."""
     from sparsevllm.report.accounting import budget_accounting, dtype_bytes
-    from sparsevllm.report.speed import bench_module
+    from sparsevllm.report.speed import model_config as load_model_config
 
-    model_config, _ = bench_module().load_model_config(speed_model)
+    model_config = load_model_config(speed_model)
     rows = [(r.get("row") or {}) for r in speed.values()]
     dtype = next((r.get("dtype") for r in rows if r.get("dtype")), None)
     on_gpu = any((r.get("environment") or {}).get("gpu") for r in rows)
@@ -121,14 +121,13 @@ def make_report(opts: Options) -> dict:
             accuracy = {c: {"status": "failed", "accuracy": None, "recall": None, "per_task": {},
                             "error": f"{type(e).__name__}: {e}"} for c in cells}
 
+    from sparsevllm.report.speed import is_preset, run_speed
     speed, accounting = {}, {}
     speed_model = g.speed_model or (None if missing else model_folder(opts.model))
-    preset = False
+    preset = speed_model is not None and is_preset(speed_model)
     if speed_model is None:
         notes.append("speed skipped: its model is the accuracy model, which is not installed here")
     elif not opts.skip_speed:
-        from sparsevllm.report.speed import is_preset, run_speed
-        preset = is_preset(speed_model)
         speed = run_speed(g, cells, speed_model, opts.out_dir, deltakv_compressor=opts.deltakv_compressor,
                           case_timeout=opts.case_timeout, deadline=deadline)
         if "deltakv" in g.methods and preset:
@@ -140,8 +139,7 @@ def make_report(opts: Options) -> dict:
     else:
         notes.append("speed was not run (--skip_speed)")
     if speed_model is not None:
-        from sparsevllm.report.speed import is_preset
-        accounting = accounting_for(g, cells, speed, speed_model, is_preset(speed_model))
+        accounting = accounting_for(g, cells, speed, speed_model, preset)
 
     rows = build_rows(cells, accuracy, speed, accounting)
     meta = {"title": "Sparse-vLLM report: accuracy x speed x memory",

@@ -11,6 +11,7 @@ import logging
 import os
 import shlex
 import sys
+import time
 
 from sparsevllm.report.grid import Cell, Grid, cell_knobs, spec_id
 
@@ -35,11 +36,19 @@ def bench_module():
     return module
 
 
+PRESETS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "presets")
+
+
 def is_preset(model: str) -> bool:
     """A benchmark preset name (run with random weights), not a model folder."""
-    if os.path.isdir(model):
-        return False
-    return model in bench_module().available_presets()
+    return not os.path.isdir(model) and os.path.isfile(os.path.join(PRESETS, model + ".json"))
+
+
+def model_config(model: str) -> dict:
+    """config.json of a model folder or a preset (what the benchmark loads)."""
+    path = os.path.join(model, "config.json") if os.path.isdir(model) else os.path.join(PRESETS, model + ".json")
+    with open(path) as f:
+        return json.load(f)
 
 
 class SpeedStore:
@@ -85,8 +94,6 @@ def run_speed(grid: Grid, cells: list[Cell], model: str, out_dir: str, *, deltak
               case_timeout: float = 1800.0, deadline: float | None = None, clock=None) -> dict[Cell, dict]:
     """Cell -> its record ({"status", "error", "row", "knobs"}); cells past the deadline are
     recorded as not run (nothing stored, so a rerun runs them)."""
-    import time
-
     from tqdm.auto import tqdm
 
     clock = clock or time.monotonic
