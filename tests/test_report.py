@@ -194,8 +194,7 @@ def tiny(tmp_path_factory):
 def test_report_end_to_end_resumes_without_recomputing(tiny, tmp_path, monkeypatch):
     """vanilla and SnapKV at capacities 8 (invalid: a capacity must exceed SnapKV's 32-token window,
     so the cell fails in both halves) and 64, one sample of 320 tokens, speed at 320 x 2. The second
-    run builds no LLM and starts no benchmark case, and writes the same rows."""
-    from sparsevllm.regression.runner import Runner
+    run adds no sample to the harness's store, starts no benchmark case, and writes the same rows."""
     from sparsevllm.report.build import Options, make_report
 
     grid = dataclasses.replace(QUICK, methods=["vanilla", "snapkv"], budgets=[8, 64], lengths=[320], samples=1,
@@ -214,11 +213,12 @@ def test_report_end_to_end_resumes_without_recomputing(tiny, tmp_path, monkeypat
     assert os.path.isfile(first["paths"]["html"])
 
     def never(*a, **k):
-        raise AssertionError("a finished cell was recomputed")
+        raise AssertionError("a finished speed cell was recomputed")
 
-    monkeypatch.setattr(Runner, "_run_variant", never)
+    samples = open(tmp_path / "accuracy" / "samples.jsonl").read()
     bench = speed_mod.bench_module()
-    monkeypatch.setattr(bench, "run_sweep", never)
+    monkeypatch.setattr(bench, "run_sweep", never)   # the failed cell runs again, and fails in validate
     second = make_report(opts)
+    assert open(tmp_path / "accuracy" / "samples.jsonl").read() == samples   # the harness ran no sample
     keys = ("accuracy", "decode_tok_s", "kv_tokens_read", "accuracy_status", "speed_status")
     assert [[r[k] for k in keys] for r in second["rows"]] == [[r[k] for k in keys] for r in first["rows"]]

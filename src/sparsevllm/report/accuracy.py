@@ -1,9 +1,14 @@
 """Accuracy cells through the regression harness: one RunConfig whose hyper_params sweep each
 method's budget knob, run by its Runner into <out_dir>/accuracy (its samples.jsonl is the store:
-a rerun skips every finished sample), then its summary read back per (method, budget)."""
+a rerun skips every finished sample), then its summary read back per (method, budget).
 
+The harness runs in a process of its own: a method that crashes the interpreter fails the accuracy
+half only, and the GPU memory its engines held is back before the speed cases size their pools."""
+
+import dataclasses
 import json
 import logging
+import multiprocessing
 import os
 
 from sparsevllm.report.grid import BUDGET_KNOBS, Cell, Grid, cell_knobs
@@ -78,10 +83,17 @@ def cell_results(summary: dict, errors: list[str]) -> dict[Cell, dict]:
     return out
 
 
+def run_harness(config: dict) -> None:
+    """The child process: the harness's Runner over one RunConfig (as a dict: it crosses a spawn)."""
+    from sparsevllm.regression.runner import RunConfig, Runner
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    Runner(RunConfig(**config)).run()
+
+
 def run_accuracy(grid: Grid, cells: list[Cell], out_dir: str, *, model=None, engine_knobs: dict | None = None,
                  recall_every: int = 0, deltakv_compressor: str | None = None) -> tuple[dict[Cell, dict], list[str]]:
     """Cell -> result, and the notes the page states (skipped cells and why)."""
-    from sparsevllm.regression.runner import RunConfig, Runner
+    from sparsevllm.regression.runner import RunConfig
 
     notes, results, runnable = [], {}, []
     for cell in cells:
@@ -110,7 +122,14 @@ def run_accuracy(grid: Grid, cells: list[Cell], out_dir: str, *, model=None, eng
     config = RunConfig(model=model, methods=sorted({c.method for c in runnable}), tasks=list(grid.tasks),
                        lengths=list(grid.lengths), samples=grid.samples, hyper_params=hp,
                        out_dir=os.path.join(out_dir, "accuracy"))
-    summary = Runner(config).run()
+    child = multiprocessing.get_context("spawn").Process(target=run_harness, args=(dataclasses.asdict(config),))
+    child.start()
+    child.join()
+    if child.exitcode != 0:
+        raise RuntimeError(f"the regression harness exited with code {child.exitcode} (its log is above; "
+                           "finished samples are kept and a rerun resumes)")
+    with open(os.path.join(config.out_dir, "summary.json")) as f:
+        summary = json.load(f)
     with open(os.path.join(config.out_dir, "run.json")) as f:
         errors = json.load(f).get("errors", [])
     results.update(cell_results(summary, errors))
