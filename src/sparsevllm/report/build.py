@@ -69,14 +69,20 @@ def accounting_for(grid: Grid, cells, speed: dict, speed_model: str, preset: boo
     return out
 
 
-def header(opts: Options, speed_model: str, preset: bool, recall: str, elapsed: float) -> list[str]:
+def device(speed: dict) -> str:
+    envs = [(r.get("row") or {}).get("environment") or {} for r in speed.values()]
+    gpu = next((e["gpu"] for e in envs if e.get("gpu")), None)
+    return gpu or ("CPU" if envs else "-")
+
+
+def header(opts: Options, speed_model: str, preset: bool, recall: str, elapsed: float, where: str) -> list[str]:
     g = opts.grid
     return [
         f"grid **{g.name}**: methods {', '.join(g.methods)} x budgets {', '.join(map(str, g.budgets))} tokens",
         f"accuracy: the regression harness on **{opts.model or 'the embedded SmolLM2-135M-Instruct'}** (its "
         f"weights): tasks {', '.join(g.tasks)}, lengths {', '.join(map(str, g.lengths))}, {g.samples} samples each",
         f"speed: the benchmark on **{speed_model}** ({'random weights, the model preset' if preset else 'its weights'})"
-        f", {g.speed_length} tokens x batch {g.speed_batch}, {g.output_len} tokens out"
+        f", {g.speed_length} tokens x batch {g.speed_batch}, {g.output_len} tokens out, on {where}"
         + (f", engine knobs `{json.dumps(g.speed_engine_knobs)}`" if g.speed_engine_knobs else ""),
         f"attention recall: {recall}",
         f"made by `{opts.command}` on {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} in {elapsed:.0f} s"
@@ -133,6 +139,10 @@ def make_report(opts: Options) -> dict:
         if "deltakv" in g.methods and preset:
             notes.append("DeltaKV's speed runs with a random compressor of the model's shape (the preset has "
                          "random weights: its speed depends on the shape, not the values)")
+        envs = [(r.get("row") or {}).get("environment") or {} for r in speed.values()]
+        if envs and not any(e.get("gpu") for e in envs):
+            notes.append("speed was measured on a CPU, where a decode step is mostly per-operator overhead "
+                         "(eager PyTorch dispatches each from Python): speed-ups there say little about a GPU's")
         if any(r["status"] == "not run" for r in speed.values()):
             notes.append(f"the time limit ({opts.time_limit:.0f} s) stopped the speed half: the cells marked "
                          "'not run' run when this command is repeated")
@@ -143,7 +153,7 @@ def make_report(opts: Options) -> dict:
 
     rows = build_rows(cells, accuracy, speed, accounting)
     meta = {"title": "Sparse-vLLM report: accuracy x speed x memory",
-            "header": header(opts, speed_model or "-", preset, recall, time.monotonic() - start),
+            "header": header(opts, g.speed_model or opts.model or "the embedded SmolLM2-135M-Instruct", preset, recall, time.monotonic() - start, device(speed)),
             "notes": notes, "budget_knobs": {m: BUDGET_KNOBS[m] for m in g.methods if m in BUDGET_KNOBS},
             "grid": grid_dict(g), "command": opts.command}
     paths = write_page(rows, meta, opts.out_dir)

@@ -98,7 +98,8 @@ def plot_figure(rows: list[dict]):
         ax.set_ylabel("accuracy % (mean over tasks and lengths)")
         ax.set_ylim(-5, 105)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
     axes[0].set_title("accuracy vs decode speed")
     axes[1].set_title("accuracy vs KV memory")
     fig.tight_layout()
@@ -108,6 +109,8 @@ def plot_figure(rows: list[dict]):
 def save_plots(rows: list[dict], out_dir: str) -> tuple[str | None, str | None]:
     """(PNG file name, inline SVG text); (None, None) without matplotlib or on a plotting error,
     which must not lose the tables."""
+    if not any(r.get("accuracy") is not None for r in rows):   # nothing to place on either axis
+        return None, None
     try:
         fig = plot_figure(rows)
         if fig is None:
@@ -213,7 +216,7 @@ def page(rows: list[dict], meta: dict, png: str | None, svg: str | None) -> list
                    ("p", "One curve per method, its points labelled with their budget; vanilla is the star; "
                          "the dashed line joins the Pareto front."), ("plot", png, svg)]
     else:
-        blocks += [("p", "No plots: matplotlib is not installed (or failed; see the log).")]
+        blocks += [("p", "No plots: no cell has an accuracy, or matplotlib is missing or failed (see the log).")]
     blocks += [("h", 2, "Accuracy per task and length"), ("table", *task_table(rows))]
     bad = [r for r in rows if r["accuracy_status"] != "ok" or r["speed_status"] != "ok"]
     if bad:
