@@ -191,6 +191,15 @@ def tiny(tmp_path_factory):
     return build_tiny_llama(str(tmp_path_factory.mktemp("report") / "tiny"))
 
 
+def test_the_accuracy_half_stops_at_the_time_limit(tiny, tmp_path):
+    import time
+
+    from sparsevllm.report.accuracy import run_accuracy
+    grid = dataclasses.replace(QUICK, methods=["vanilla"], lengths=[320], samples=1)
+    out, _ = run_accuracy(grid, cells(grid), str(tmp_path), model=tiny, deadline=time.monotonic())
+    assert out[Cell("vanilla", None)]["status"] == "not run"
+
+
 def test_report_end_to_end_resumes_without_recomputing(tiny, tmp_path, monkeypatch):
     """vanilla and SnapKV at capacities 8 (invalid: a capacity must exceed SnapKV's 32-token window,
     so the cell fails in both halves) and 64, one sample of 320 tokens, speed at 320 x 2. The second

@@ -56,7 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--skip_accuracy", action="store_true", help="run only the speed half")
     p.add_argument("--skip_speed", action="store_true", help="run only the accuracy half")
     p.add_argument("--time_limit", type=float, default=None,
-                   help="seconds: speed cells not started by then are marked 'not run' (a rerun runs them)")
+                   help="seconds: the accuracy half is stopped and no speed cell starts after this; what is "
+                        "left is marked 'not run' on the page (a rerun with the same --out_dir does it)")
     p.add_argument("--case_timeout", type=float, default=1800.0, help="seconds before a speed case is killed")
     return p
 

@@ -10,6 +10,7 @@ import json
 import logging
 import multiprocessing
 import os
+import time
 
 from sparsevllm.report.grid import BUDGET_KNOBS, Cell, Grid, cell_knobs
 
@@ -91,8 +92,10 @@ def run_harness(config: dict) -> None:
 
 
 def run_accuracy(grid: Grid, cells: list[Cell], out_dir: str, *, model=None, engine_knobs: dict | None = None,
-                 recall_every: int = 0, deltakv_compressor: str | None = None) -> tuple[dict[Cell, dict], list[str]]:
-    """Cell -> result, and the notes the page states (skipped cells and why)."""
+                 recall_every: int = 0, deltakv_compressor: str | None = None,
+                 deadline: float | None = None) -> tuple[dict[Cell, dict], list[str]]:
+    """Cell -> result, and the notes the page states (skipped cells and why). At the deadline
+    (time.monotonic()) the harness is stopped and its cells are 'not run'."""
     from sparsevllm.regression.runner import RunConfig
 
     notes, results, runnable = [], {}, []
@@ -124,7 +127,14 @@ def run_accuracy(grid: Grid, cells: list[Cell], out_dir: str, *, model=None, eng
                        out_dir=os.path.join(out_dir, "accuracy"))
     child = multiprocessing.get_context("spawn").Process(target=run_harness, args=(dataclasses.asdict(config),))
     child.start()
-    child.join()
+    child.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+    if child.is_alive():   # the time limit: samples finished so far are on disk, a rerun resumes
+        child.terminate()
+        child.join()
+        for cell in runnable:
+            results[cell] = {"status": "not run", "accuracy": None, "recall": None, "per_task": {},
+                             "error": "time limit reached (finished samples are kept; a rerun resumes)"}
+        return results, notes
     if child.exitcode != 0:
         raise RuntimeError(f"the regression harness exited with code {child.exitcode} (its log is above; "
                            "finished samples are kept and a rerun resumes)")

@@ -23,7 +23,7 @@ class Options:
     recall_every: int = 16
     skip_accuracy: bool = False
     skip_speed: bool = False
-    time_limit: float | None = None        # seconds; speed cells not started by then are 'not run'
+    time_limit: float | None = None        # seconds; work not done by then is 'not run' (a rerun does it)
     case_timeout: float = 1800.0
     command: str = ""
 
@@ -120,7 +120,7 @@ def make_report(opts: Options) -> dict:
         try:
             accuracy, acc_notes = run_accuracy(g, cells, opts.out_dir, model=opts.model,
                                                recall_every=opts.recall_every if recall_on else 0,
-                                               deltakv_compressor=opts.deltakv_compressor)
+                                               deltakv_compressor=opts.deltakv_compressor, deadline=deadline)
             notes += acc_notes
         except Exception as e:   # e.g. a length the task's prompt cannot fit: the speed half still runs
             logger.exception("the accuracy half failed")
@@ -143,11 +143,12 @@ def make_report(opts: Options) -> dict:
         if envs and not any(e.get("gpu") for e in envs):
             notes.append("speed was measured on a CPU, where a decode step is mostly per-operator overhead "
                          "(eager PyTorch dispatches each from Python): speed-ups there say little about a GPU's")
-        if any(r["status"] == "not run" for r in speed.values()):
-            notes.append(f"the time limit ({opts.time_limit:.0f} s) stopped the speed half: the cells marked "
-                         "'not run' run when this command is repeated")
+
     else:
         notes.append("speed was not run (--skip_speed)")
+    if any(r.get("status") == "not run" for half in (accuracy, speed) for r in half.values()):
+        notes.append(f"the time limit ({opts.time_limit:.0f} s) stopped this run: the cells marked 'not run' "
+                     "run when this command is repeated with the same --out_dir")
     if speed_model is not None:
         accounting = accounting_for(g, cells, speed, speed_model, preset)
 
