@@ -124,6 +124,9 @@ def run_speed(grid: Grid, cells: list[Cell], model: str, out_dir: str, *, deltak
             row = run_cell(bench, grid, cell, model, knobs, os.path.join(out_dir, "speed", f"{cell.method}-{cid}"),
                            case_timeout)
             record.update(status=row["status"], error=row.get("error"), row=row)
+        except ValueError as e:  # a knob the benchmark refuses (a SnapKV capacity below its window)
+            logger.warning("speed cell %s: %s", cell.label, e)
+            record.update(status="failed", error=f"ValueError: {e}", row=None)
         except Exception as e:  # one broken cell must not end the grid
             logger.exception("speed cell %s failed", cell.label)
             record.update(status="failed", error=f"{type(e).__name__}: {e}", row=None)
