@@ -231,3 +231,24 @@ def test_report_end_to_end_resumes_without_recomputing(tiny, tmp_path, monkeypat
     assert open(tmp_path / "accuracy" / "samples.jsonl").read() == samples   # the harness ran no sample
     keys = ("accuracy", "decode_tok_s", "kv_tokens_read", "accuracy_status", "speed_status")
     assert [[r[k] for k in keys] for r in second["rows"]] == [[r[k] for k in keys] for r in first["rows"]]
+
+
+@pytest.mark.long
+def test_every_method_of_the_full_grid_runs_its_speed_cells_on_the_tiny_preset(tmp_path):
+    """The full grid's six methods (DeltaKV with the random compressor a preset gets, HiSparse through
+    its host pool) at two budgets on the `tiny` preset, accuracy skipped: every cell but SnapKV at 32
+    (not above its 32-token window) runs, and each has its budget accounting."""
+    from sparsevllm.report.build import Options, make_report
+    from sparsevllm.report.grid import FULL
+
+    grid = dataclasses.replace(FULL, budgets=[32, 64], speed_model="tiny", speed_length=256, speed_batch=2,
+                               output_len=8, speed_engine_knobs={},
+                               method_knobs={"hisparse": {"hisparse_min_prompt_len": 128,
+                                                          "hisparse_host_memory_gb": 0.1}})
+    rows = make_report(Options(grid=grid, out_dir=str(tmp_path), skip_accuracy=True, command="test"))["rows"]
+    assert len(rows) == 11
+    failed = [r["label"] for r in rows if r["speed_status"] != "ok"]
+    assert failed == ["snapkv @ 32"]
+    assert all(r["kv_tokens_read"] is not None for r in rows if r["label"] != "snapkv @ 32")
+    hisparse = next(r for r in rows if r["label"] == "hisparse @ 32")
+    assert hisparse["kv_tokens_read"] < rows[0]["kv_tokens_read"]   # a 2-page view, not the whole cache
