@@ -147,8 +147,10 @@ def test_the_harness_averages_each_requests_attention_recall_into_its_cell():
     v = Variant("quest", "quest", {}, {}, "quest")
     samples = [SimpleNamespace(task="niah", length=512, index=i, metric="contains", prompt_token_ids=[1, 2])
                for i in range(2)]
+    samples.append(SimpleNamespace(task="niah", length=512, index=2, metric="contains", prompt_token_ids=[1]))
+    # the third request decoded too few steps to be sampled: it has no mean and is left out
     records = {i: {"score": 1.0, "error": None, "latency_s": 0.1, "attention_recall": {"mean": m}}
-               for i, m in enumerate([0.5, 0.7])}
+               for i, m in enumerate([0.5, 0.7, None])}
     summary = regression_report.summarize(RunConfig(), [v], samples, records, lambda v, s: s.index, False)
     assert summary["cells"][0]["attention_recall"] == pytest.approx(0.6)
 

@@ -60,7 +60,8 @@ def summarize(config, variants, samples, records, key_fn, chat_template) -> dict
             }
             # With recall_sample_every set, each request reports the share of dense attention its
             # method kept (None otherwise, or for the teacher-forced fidelity task).
-            recalls = [r["attention_recall"]["mean"] for r in scored if r.get("attention_recall")]
+            recalls = [r["attention_recall"]["mean"] for r in scored
+                       if (r.get("attention_recall") or {}).get("mean") is not None]
             cell["attention_recall"] = _mean(recalls)
             if task == "fidelity":
                 cell["kl"] = _mean([r["kl"] for r in scored])

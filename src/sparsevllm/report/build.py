@@ -20,7 +20,7 @@ class Options:
     out_dir: str = "report_out"
     model: str | None = None               # accuracy model (None: the embedded SmolLM2-135M)
     deltakv_compressor: str | None = None  # trained for the accuracy model
-    recall_every: int = 16
+    recall_every: int = 4                  # answers are short: see __main__'s --recall_every
     skip_accuracy: bool = False
     skip_speed: bool = False
     time_limit: float | None = None        # seconds; work not done by then is 'not run' (a rerun does it)
@@ -107,7 +107,7 @@ def make_report(opts: Options) -> dict:
     if opts.recall_every and not recall_on:
         recall = "'-': this engine has no `recall_sample_every` knob yet (issue #52, part 1)"
     elif recall_on:
-        recall = f"sampled every {opts.recall_every}th decode step of the accuracy runs"
+        recall = f"sampled on every {opts.recall_every}-th decode step of the accuracy runs"
     else:
         recall = "off (--recall_every 0)"
     needs_embedded = opts.model is None and (not opts.skip_accuracy or g.speed_model is None)
