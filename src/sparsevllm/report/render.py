@@ -30,7 +30,9 @@ def status_text(row: dict) -> str:
     for half in ("accuracy", "speed"):
         s = row[f"{half}_status"]
         if s != "ok":
-            why = row.get(f"{half}_error")
+            # one line, and short: a traceback's tail must not break the table it sits in
+            why = " ".join(str(row.get(f"{half}_error") or "").split())
+            why = why if len(why) <= 300 else why[:297] + "..."
             parts.append(f"{half} **{s.upper()}**" + (f": {why}" if why else ""))
     return "; ".join(parts) or "ok"
 
