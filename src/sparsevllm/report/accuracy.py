@@ -91,8 +91,12 @@ def run_harness(config: dict) -> None:
     Runner(RunConfig(**config)).run()
 
 
-def run_accuracy(grid: Grid, cells: list[Cell], out_dir: str, *, model=None, engine_knobs: dict | None = None,
-                 recall_every: int = 0, deltakv_compressor: str | None = None,
+def no_result(status: str, error: str) -> dict:
+    """A cell's accuracy result when the harness gave none: skipped, failed or not run."""
+    return {"status": status, "accuracy": None, "recall": None, "per_task": {}, "error": error}
+
+
+def run_accuracy(grid: Grid, cells: list[Cell], out_dir: str, *, model=None, recall_every: int = 0, deltakv_compressor: str | None = None,
                  deadline: float | None = None) -> tuple[dict[Cell, dict], list[str]]:
     """Cell -> result, and the notes the page states (skipped cells and why). At the deadline
     (time.monotonic()) the harness is stopped and its cells are 'not run'."""
@@ -103,23 +107,19 @@ def run_accuracy(grid: Grid, cells: list[Cell], out_dir: str, *, model=None, eng
         knobs = cell_knobs(grid, cell)
         if cell.method == "deltakv":
             if not deltakv_compressor:
-                results[cell] = {"status": "skipped", "accuracy": None, "recall": None, "per_task": {},
-                                 "error": "needs a trained compressor (--deltakv_compressor DIR)"}
+                results[cell] = no_result("skipped", "needs a trained compressor (--deltakv_compressor DIR)")
                 continue
             knobs["deltakv_compressor_path"] = deltakv_compressor
         why = check_cell(model, cell, knobs)
         if why:
-            results[cell] = {"status": "failed", "accuracy": None, "recall": None, "per_task": {}, "error": why}
+            results[cell] = no_result("failed", why)
             continue
         runnable.append(cell)
     if any(r["status"] == "skipped" for r in results.values()):
         notes.append("DeltaKV's accuracy needs a compressor trained for the accuracy model "
                      "(`python -m sparsevllm.tools.train_deltakv --out DIR`, then `--deltakv_compressor DIR`); "
                      "without one its accuracy cells are skipped and only its speed is measured.")
-    engine_knobs = dict(engine_knobs or {})
-    if recall_every:
-        engine_knobs[RECALL_KNOB] = recall_every
-    hp = hyper_params(grid, runnable, engine_knobs)
+    hp = hyper_params(grid, runnable, {RECALL_KNOB: recall_every} if recall_every else {})
     if deltakv_compressor and any(c.method == "deltakv" for c in runnable):
         hp["deltakv"]["deltakv_compressor_path"] = deltakv_compressor
     config = RunConfig(model=model, methods=sorted({c.method for c in runnable}), tasks=list(grid.tasks),
@@ -132,8 +132,7 @@ def run_accuracy(grid: Grid, cells: list[Cell], out_dir: str, *, model=None, eng
         child.terminate()
         child.join()
         for cell in runnable:
-            results[cell] = {"status": "not run", "accuracy": None, "recall": None, "per_task": {},
-                             "error": "time limit reached (finished samples are kept; a rerun resumes)"}
+            results[cell] = no_result("not run", "time limit reached (finished samples are kept; a rerun resumes)")
         return results, notes
     if child.exitcode != 0:
         raise RuntimeError(f"the regression harness exited with code {child.exitcode} (its log is above; "

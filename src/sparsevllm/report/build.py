@@ -102,7 +102,7 @@ def make_report(opts: Options) -> dict:
     notes = []
 
     accuracy = {}
-    from sparsevllm.report.accuracy import recall_supported, run_accuracy
+    from sparsevllm.report.accuracy import no_result, recall_supported, run_accuracy
     recall_on = bool(opts.recall_every) and recall_supported()
     if opts.recall_every and not recall_on:
         recall = "'-': this engine has no `recall_sample_every` knob yet (issue #52, part 1)"
@@ -124,8 +124,7 @@ def make_report(opts: Options) -> dict:
             notes += acc_notes
         except Exception as e:   # e.g. a length the task's prompt cannot fit: the speed half still runs
             logger.exception("the accuracy half failed")
-            accuracy = {c: {"status": "failed", "accuracy": None, "recall": None, "per_task": {},
-                            "error": f"{type(e).__name__}: {e}"} for c in cells}
+            accuracy = {c: no_result("failed", f"{type(e).__name__}: {e}") for c in cells}
 
     from sparsevllm.report.speed import is_preset, run_speed
     speed, accounting = {}, {}

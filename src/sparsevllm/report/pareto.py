@@ -34,8 +34,7 @@ def build_rows(cells, accuracy: dict, speed: dict, accounting: dict) -> list[dic
     """One row per cell, in the grid's order; a cell missing from a half is 'not run' there."""
     rows = []
     for cell in cells:
-        acc = accuracy.get(cell) or {"status": "not run", "accuracy": None, "recall": None, "per_task": {},
-                                     "error": None}
+        acc = accuracy.get(cell) or {"status": "not run", "accuracy": None, "recall": None, "per_task": {}}
         row = {"method": cell.method, "budget": cell.budget, "label": cell.label,
                "accuracy": acc.get("accuracy"), "accuracy_status": acc["status"], "accuracy_error": acc.get("error"),
                "per_task": acc.get("per_task", {}), "recall": acc.get("recall")}
