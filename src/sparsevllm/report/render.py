@@ -9,12 +9,13 @@ import logging
 import os
 import re
 
-from sparsevllm.report.pareto import curves
+from sparsevllm.report.pareto import curves, pareto_front
 
 logger = logging.getLogger(__name__)
 
-PLOTS = (("speedup", "decode speed-up over vanilla (x)", True, "pareto_speed"),
-         ("kv_memory_mib", "KV memory per request (MiB)", False, "pareto_memory"))
+# (row key, axis label, higher is better) of each panel's x
+PLOTS = (("speedup", "decode speed-up over vanilla (x)", True),
+         ("kv_memory_mib", "KV memory per request (MiB)", False))
 
 
 def fmt(x, spec=".1f", suffix=""):
@@ -76,11 +77,9 @@ def plot_figure(rows: list[dict]):
         import matplotlib.pyplot as plt
     except ImportError:
         return None
-    from sparsevllm.report.pareto import pareto_front
-    for r in rows:
-        r["kv_memory_mib"] = mib(r.get("kv_memory_bytes"))
+    rows = [dict(r, kv_memory_mib=mib(r.get("kv_memory_bytes"))) for r in rows]
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
-    for ax, (x, xlabel, higher, _) in zip(axes, PLOTS):
+    for ax, (x, xlabel, higher) in zip(axes, PLOTS):
         for method, pts in curves(rows, x).items():
             xs, ys, budgets = zip(*pts)
             if method == "vanilla":
