@@ -54,8 +54,8 @@ QUICK = Grid(
 
 # On one H100/H200: accuracy on SmolLM2-135M (the budgets of the regression README's tables),
 # speed on the Llama-3.1-8B shape with random weights at 32K x 4, as the README's results. The
-# host pool of HiSparse holds every page of the batch: 4 x 32K x 128 KiB = 16 GiB (20 with room); its default keeps
-# prompts under 2048 tokens dense, which would make the 2K accuracy cells vanilla's.
+# host pool of HiSparse holds every page of the batch: 4 x 32K x 128 KiB = 16 GiB (20 with room);
+# its default keeps prompts under 2048 tokens dense, which would make the 2K accuracy cells vanilla's.
 FULL = Grid(
     name="full", methods=list(ALL_METHODS), budgets=[256, 512, 1024],
     tasks=["niah_single_number_noise", "niah_multikey"], lengths=[2048, 4096], samples=10,
