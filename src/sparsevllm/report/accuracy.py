@@ -96,7 +96,8 @@ def no_result(status: str, error: str) -> dict:
     return {"status": status, "accuracy": None, "recall": None, "per_task": {}, "error": error}
 
 
-def run_accuracy(grid: Grid, cells: list[Cell], out_dir: str, *, model=None, recall_every: int = 0, deltakv_compressor: str | None = None,
+def run_accuracy(grid: Grid, cells: list[Cell], out_dir: str, *, model=None, recall_every: int = 0,
+                 deltakv_compressor: str | None = None,
                  deadline: float | None = None) -> tuple[dict[Cell, dict], list[str]]:
     """Cell -> result, and the notes the page states (skipped cells and why). At the deadline
     (time.monotonic()) the harness is stopped and its cells are 'not run'."""

@@ -153,7 +153,8 @@ def make_report(opts: Options) -> dict:
 
     rows = build_rows(cells, accuracy, speed, accounting)
     meta = {"title": "Sparse-vLLM report: accuracy x speed x memory",
-            "header": header(opts, g.speed_model or opts.model or "the embedded SmolLM2-135M-Instruct", preset, recall, time.monotonic() - start, device(speed)),
+            "header": header(opts, g.speed_model or opts.model or "the embedded SmolLM2-135M-Instruct", preset,
+                             recall, time.monotonic() - start, device(speed)),
             "notes": notes, "budget_knobs": {m: BUDGET_KNOBS[m] for m in g.methods if m in BUDGET_KNOBS},
             "grid": grid_dict(g), "command": opts.command}
     paths = write_page(rows, meta, opts.out_dir)
