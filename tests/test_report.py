@@ -40,6 +40,16 @@ def test_pareto_front_on_memory_prefers_less():
     assert pareto_front(pts, x_higher_is_better=False) == {0, 1, 4}
 
 
+# ---- the command line -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("argv, msg", [(["--methods", "quest,nope"], "nope"), (["--budgets", "0"], "positive"),
+                                       (["--grid", "huge"], "invalid choice"), (["--samples", "0"], "--samples")])
+def test_bad_arguments_are_refused_before_anything_runs(argv, msg, capsys):
+    from sparsevllm.report.__main__ import main
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2 and msg in capsys.readouterr().err
+
+
 # ---- budget accounting -------------------------------------------------------------------------------
 def test_accounting_of_vanilla_and_snapkv_on_the_llama_shape():
     """Llama-3.1-8B in bf16 holds 2 x 32 layers x 8 KV heads x 128 x 2 B = 128 KiB a token
