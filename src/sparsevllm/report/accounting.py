@@ -22,6 +22,7 @@ def budget_accounting(method: str, knobs: dict, model_config: dict, prompt_len: 
     config = make_config(None, method, **knobs)
     mc = ModelConfig.from_dict(model_config)
     cls = config.method
+    cls.validate_model(config, mc)   # resolves what the model decides (DeltaKV's latent dim from its compressor)
     steps = max(output_len, 1)
     read = sum(cls.decode_kv_tokens_read(config, mc, prompt_len, prompt_len + i) for i in range(steps)) / steps
     held = cls.kv_tokens_held(config, mc, prompt_len, output_len)
