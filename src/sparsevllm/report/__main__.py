@@ -88,7 +88,9 @@ def main(argv=None) -> int:
                    time_limit=a.time_limit, case_timeout=a.case_timeout,
                    command=shlex.join(["python", "-m", "sparsevllm.report", *argv]))
     result = make_report(opts)
-    print(f"wrote {result['paths']['markdown']} and {result['paths']['html']}")
+    with open(result["paths"]["markdown"]) as f:
+        print(f.read().split("## Definitions")[0].rstrip())   # the page, its glossary aside
+    print(f"\nwrote {result['paths']['markdown']} and {result['paths']['html']}")
     return 0
 
 
