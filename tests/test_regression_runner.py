@@ -34,6 +34,7 @@ class FakeLLM:
     def __init__(self, answers: dict, vocab: int, calls: list, method: str, knobs: dict):
         self.answers, self.vocab, self.calls = answers, vocab, calls
         self.lossy = method != "vanilla" and knobs.get("lossy_budget") == 1
+        self.recall = bool(knobs.get("recall_sample_every"))   # the engine's attention-recall telemetry
 
     def generate(self, prompts, params, use_tqdm=True):
         self.calls.append(("generate", len(prompts)))
@@ -42,10 +43,13 @@ class FakeLLM:
             assert sp.temperature == 0.0
             answers, index = self.answers[tuple(ids)]
             text = "I do not know." if self.lossy and index % 2 == 0 else " " + ", ".join(answers)
+            metrics = {"arrival_time": 0.0, "first_token_time": 0.5, "finish_time": 1.0, "token_times": [0.5, 1.0]}
+            if self.recall:
+                metrics["attention_recall"] = {"mean": 0.5 if self.lossy else 1.0, "sampled_steps": 1}
             outs.append(RequestOutput(
                 request_id=str(index), prompt=None, prompt_token_ids=ids, prompt_logprobs=None,
                 outputs=[CompletionOutput(0, text, [1, 2], None, None, "stop")], finished=True,
-                metrics={"arrival_time": 0.0, "first_token_time": 0.5, "finish_time": 1.0, "token_times": [0.5, 1.0]}))
+                metrics=metrics))
         return outs
 
     def teacher_forced_logprobs(self, prompts, continuations, use_tqdm=True):
@@ -79,6 +83,16 @@ def _config(out_dir, **overrides):
                 fidelity_tokens=8)
     base.update(overrides)
     return RunConfig(**base)
+
+
+def test_each_requests_attention_recall_is_kept_and_averaged_per_cell(tmp_path, tokenizer, monkeypatch):
+    config = _config(tmp_path, tasks=["niah_single_number_noise"], lengths=[512], samples=2,
+                     hyper_params={"recall_sample_every": 4, "lossy": {"lossy_budget": [1, 2]}})
+    summary = _fake_runner(config, tokenizer, [], monkeypatch).run()
+    records = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
+    assert all(r["attention_recall"]["sampled_steps"] == 1 for r in records)
+    recall = {c["label"]: c["attention_recall"] for c in summary["cells"]}
+    assert recall == {"vanilla": 1.0, "lossy[lossy_budget=1]": 0.5, "lossy[lossy_budget=2]": 1.0}
 
 
 def test_runner_scores_against_vanilla_and_writes_every_artifact(tmp_path, tokenizer, monkeypatch):

@@ -6,7 +6,7 @@ import sys
 import pytest
 
 ENTRY_POINTS = ["sparsevllm", "sparsevllm.serve", "sparsevllm.regression", "sparsevllm.tools.train_deltakv",
-                "sparsevllm.tools.omnikv_calibrate"]
+                "sparsevllm.tools.omnikv_calibrate", "sparsevllm.report"]
 
 
 def imported(args: list[str]) -> set[str]:

@@ -58,6 +58,11 @@ def summarize(config, variants, samples, records, key_fn, chat_template) -> dict
                 "prompt_tokens": _mean([len(s.prompt_token_ids) for s in cell_samples]),
                 "mean_latency_s": _mean([r["latency_s"] for r in scored if r.get("latency_s")]),
             }
+            # With recall_sample_every set, each request reports the share of dense attention its
+            # method kept (None otherwise, or for the teacher-forced fidelity task).
+            recalls = [r["attention_recall"]["mean"] for r in scored
+                       if (r.get("attention_recall") or {}).get("mean") is not None]
+            cell["attention_recall"] = _mean(recalls)
             if task == "fidelity":
                 cell["kl"] = _mean([r["kl"] for r in scored])
                 cell["text_top1"] = _mean([100.0 * r["text_top1"] for r in scored])

@@ -299,7 +299,7 @@ class Runner:
             records.append(self._record(
                 variant, s, output=first.text, score=score(s.metric, first.text, s.answers),
                 output_tokens=len(first.token_ids), finish_reason=first.finish_reason,
-                latency_s=latency, ttft_s=ttft))
+                latency_s=latency, ttft_s=ttft, attention_recall=m.get("attention_recall")))
         return records
 
     def _run_fidelity(self, llm, variant, chunk) -> list[dict]:
