@@ -15,6 +15,11 @@ import xxhash
 from sparsevllm.engine.sequence import Sequence
 
 
+def kv_storage_dtype(kv_cache_dtype: str, dtype: torch.dtype) -> torch.dtype:
+    """The element type KV is stored in: the model dtype ("auto") or float8_e4m3fn ("fp8", "fp8_e4m3")."""
+    return dtype if kv_cache_dtype == "auto" else torch.float8_e4m3fn
+
+
 def page_hash(token_ids: list[int], prev_hash: int) -> int:
     h = xxhash.xxh64()
     h.update(prev_hash.to_bytes(8, "little", signed=True))

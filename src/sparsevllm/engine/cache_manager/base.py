@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from sparsevllm.config import EngineConfig, MethodConfig
-from sparsevllm.engine.kv_pool import KVPool, PageAllocator, PageTables
+from sparsevllm.engine.kv_pool import KVPool, PageAllocator, PageTables, kv_storage_dtype
 from sparsevllm.engine.sequence import Sequence
 from sparsevllm.engine.step import DecodeView, PrefillView, StepState, StoreTarget
 from sparsevllm.kernels.rope_store import rope_store
@@ -54,6 +54,7 @@ class CacheManager:
         self.num_layers, self.head_dim = model_config.num_hidden_layers, model_config.head_dim
         self.num_kv_heads = num_kv_heads
         self.dtype, self.device = dtype, device
+        self.kv_dtype = kv_storage_dtype(config.kv_cache_dtype, dtype)   # what the KV is stored in
         num_pages = self.allocate_storage(num_pages)
         self.allocator = PageAllocator(num_pages)
         self.tables = PageTables(self.allocator, self.page_size, self.pages_for(config.max_model_len) + 1,
@@ -64,15 +65,17 @@ class CacheManager:
         return how many pages its paged pool `self.pool` has (the allocator's and the block tables'
         pages). A method with metadata per page adds it here; one that owns its layout (DeltaKV)
         builds it here. Dense: every layer raw, num_pages pages."""
-        self.pool = KVPool(self.num_layers, num_pages, self.page_size, self.num_kv_heads, self.head_dim, self.dtype,
-                           self.device)
+        self.pool = KVPool(self.num_layers, num_pages, self.page_size, self.num_kv_heads, self.head_dim,
+                           self.kv_dtype, self.device)
         return num_pages
 
     # ---- sizing -----------------------------------------------------------------------------
     @classmethod
     def bytes_per_page(cls, config: EngineConfig, num_layers, num_kv_heads, head_dim, dtype) -> int:
-        """Device bytes one page costs, metadata included; used to size the pool from memory."""
-        return KVPool.bytes_per_page(num_layers, config.page_size, num_kv_heads, head_dim, dtype)
+        """Device bytes one page costs, metadata included; used to size the pool from memory. dtype is
+        the model's; the KV itself is stored in kv_storage_dtype(config.kv_cache_dtype, dtype)."""
+        return KVPool.bytes_per_page(num_layers, config.page_size, num_kv_heads, head_dim,
+                                     kv_storage_dtype(config.kv_cache_dtype, dtype))
 
     @classmethod
     def fixed_device_bytes(cls, config: EngineConfig, num_layers, num_kv_heads, head_dim, dtype) -> int:

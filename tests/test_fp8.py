@@ -1,0 +1,148 @@
+"""FP8 KV cache (kv_cache_dtype="fp8"): the kernels against their references with FP8 storage and
+per-token-and-head scales, and every method's outputs against its own model-dtype run.
+
+Without CUDA the kernels run under Triton's interpreter (fp32 / fp16 compute; float8 storage works
+with torch on a CPU); the `gpu` tests run them in bf16.
+"""
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+pytest.importorskip("triton")
+
+from test_kernels import close, decode_case, gpu, interp, poison, prefill_case, rope_store_case  # noqa: E402,F401
+
+from sparsevllm.kernels import decode_attention as da, prefill_attention as pa, rope_store as rs  # noqa: E402
+from sparsevllm.kernels.common import quantize_ref  # noqa: E402
+
+FP8 = torch.float8_e4m3fn
+
+
+def to_fp8(cache: torch.Tensor):
+    """A cache of values -> (its FP8 storage, its scales [slots, H]), as the store writes it."""
+    return quantize_ref(cache)
+
+
+def test_quantize_ref_round_trips_within_fp8_precision():
+    x = torch.randn(64, 4, 32) * torch.logspace(-4, 2, 64).view(64, 1, 1)   # magnitudes 1e-4 .. 1e2
+    q, s = quantize_ref(x)
+    assert q.dtype == FP8 and s.shape == (64, 4) and s.dtype == torch.float32
+    back = q.float() * s.unsqueeze(-1)
+    # e4m3: 3 mantissa bits, a relative step of 1/8 at most; the vector's largest entry is exact
+    rel = (back - x).abs() / x.abs().amax(-1, keepdim=True)
+    assert rel.max() < 1 / 16 + 1e-6
+    assert torch.equal(quantize_ref(torch.zeros(2, 3))[1], torch.ones(2))   # a zero vector: scale 1
+
+
+@interp
+@pytest.mark.parametrize("P,G,dtype", [(16, 1, torch.float32), (16, 2, torch.float16), (1, 1, torch.float32),
+                                       (4, 4, torch.float32)])
+def test_decode_attention_fp8_triton_matches_reference(P, G, dtype, poison, monkeypatch):
+    """G = 1 (shared), H_kv (per KV head) and H_q (per query head) rows over an FP8 cache."""
+    monkeypatch.setattr(da, "MIN_SPLIT_TOKENS", 16)
+    g = torch.Generator().manual_seed(P * 7 + G)
+    B, Hq, Hkv, D = 3, 4, 2, 32
+    N = {1: 70, 4: 20, 16: 5}[P]
+    q, kc, vc, table, lengths = decode_case(g, B, Hq, Hkv, D, P, G, N, dtype, "cpu")
+    (k8, ks), (v8, vs) = to_fp8(kc), to_fp8(vc)
+    out = da.decode_attention_triton(q, k8, v8, table, lengths, P, D ** -0.5, None, ks, vs)
+    want = da.decode_attention_ref(q, k8, v8, table, lengths, P, D ** -0.5, None, ks, vs)
+    close(out, want, dtype)
+    # the dequantized cache gives the same attention: dequantization is exact arithmetic on the tiles
+    deq = da.decode_attention_ref(q, k8.float() * ks[..., None], v8.float() * vs[..., None], table, lengths, P,
+                                  D ** -0.5)
+    close(want, deq.to(dtype), dtype)
+
+
+@interp
+def test_decode_attention_fp8_reports_token_scores_of_the_dequantized_keys(monkeypatch):
+    monkeypatch.setattr(da, "MIN_SPLIT_TOKENS", 16)
+    g = torch.Generator().manual_seed(5)
+    q, kc, vc, table, lengths = decode_case(g, 2, 4, 2, 32, 1, 1, 80, torch.float32, "cpu")
+    (k8, ks), (v8, vs) = to_fp8(kc), to_fp8(vc)
+    got = torch.full((2, 2, 80), -7.0)
+    want = got.clone()
+    da.decode_attention_triton(q, k8, v8, table, lengths, 1, 0.2, got, ks, vs)
+    da.decode_attention_ref(q, k8, v8, table, lengths, 1, 0.2, want, ks, vs)
+    close(got, want, torch.float32)
+
+
+@interp
+@pytest.mark.parametrize("P,dtype", [(16, torch.float32), (4, torch.float16)])
+def test_prefill_attention_fp8_triton_matches_reference(P, dtype, poison):
+    g = torch.Generator().manual_seed(P + 1)
+    q, kc, vc, bt, cu, lens = prefill_case(g, [5, 40, 1], [5, 70, 33], 4, 2, 32, P, dtype, "cpu")
+    (k8, ks), (v8, vs) = to_fp8(kc), to_fp8(vc)
+    out = pa.prefill_attention_triton(q, k8, v8, bt, cu, lens, P, 0.25, 40, ks, vs)
+    close(out, pa.prefill_attention_ref(q, k8, v8, bt, cu, lens, P, 0.25, ks, vs), dtype)
+
+
+@interp
+@pytest.mark.parametrize("dtype,bounds", [(torch.float32, False), (torch.float16, True)])
+def test_rope_store_fp8_quantizes_each_token_and_head(dtype, bounds, poison):
+    """The kernel writes FP8 K (after RoPE) and V with a scale per token and KV head, as the
+    reference does (an fp8 rounding step apart at most: the GPU's division may round differently),
+    and folds the dequantized keys into the page bounds."""
+    g = torch.Generator().manual_seed(11)
+    P = 4
+    q, k, v, pos, cache, _, _ = rope_store_case(g, 9, 6, 3, 32, 40, dtype)
+    slots = torch.randperm(40, generator=g)[:9]
+    slots[[2, 5]] = -1
+    if bounds:   # decode-like: one token a page, pages written from their first slot
+        slots = torch.tensor([0, 4, 8, -1, 12, 16, 20, -1, 24])
+    caches = [(torch.zeros(40, 3, 32, dtype=FP8), torch.zeros(40, 3, 32, dtype=FP8),
+               torch.zeros(40, 3), torch.zeros(40, 3), torch.zeros(10, 3, 32, dtype=dtype),
+               torch.zeros(10, 3, 32, dtype=dtype)) for _ in range(2)]
+    outs = []
+    for fn, (kc, vc, ks, vs, mn, mx) in zip((rs.rope_store_triton, rs.rope_store_ref), caches):
+        b = (mn, mx, P) if bounds else (None, None, P)
+        outs.append(fn(q, k, v, pos, cache, kc, vc, slots, *b, ks, vs))
+    for a, b in zip(*outs):
+        close(a, b, dtype)
+    (kc, vc, ks, vs, mn, mx), (kc_r, vc_r, ks_r, vs_r, mn_r, mx_r) = caches
+    keep = slots >= 0
+    for x8, s, x8r, sr, x in ((kc, ks, kc_r, ks_r, outs[1][1]), (vc, vs, vc_r, vs_r, v)):
+        torch.testing.assert_close(s, sr, rtol=1e-6, atol=0)
+        deq, deq_r = x8.float() * s[..., None], x8r.float() * sr[..., None]
+        # One fp8 step apart at most, but for Triton's interpreter: its fp32 -> fp8 cast drops a rounding
+        # carry into the next power of two (127.9 -> 64, not 128; the GPU's cvt is right), so a few
+        # elements may be off there.
+        off = (deq - deq_r).abs() > s[..., None] * 32 + 1e-9
+        assert off.float().mean() < 0.01, off.sum()
+        # and the stored token is x to FP8 precision
+        assert ((deq_r[slots[keep]] - x[keep].float()).abs() <= x[keep].float().abs().amax(-1, keepdim=True) / 16
+                + 1e-6).all()
+    if bounds:   # each page holds one key here: its bounds are that key, dequantized
+        for kc_, ks_, mn_, mx_ in ((kc, ks, mn, mx), (kc_r, ks_r, mn_r, mx_r)):
+            deq = (kc_.float() * ks_[..., None]).to(dtype)[slots[keep]]
+            close(mn_[slots[keep] // P], deq, dtype)
+            close(mx_[slots[keep] // P], deq, dtype)
+
+
+@gpu
+def test_fp8_kernels_match_references_on_gpu():
+    g = torch.Generator().manual_seed(0)
+    dt = torch.bfloat16
+    q, kc, vc, table, lengths = decode_case(g, 4, 32, 8, 128, 16, 1, 512, dt, "cuda")
+    (k8, ks), (v8, vs) = to_fp8(kc), to_fp8(vc)
+    close(da.decode_attention_triton(q, k8, v8, table, lengths, 16, 0.088, None, ks, vs),
+          da.decode_attention_ref(q, k8, v8, table, lengths, 16, 0.088, None, ks, vs), dt)
+    q, kc, vc, bt, cu, lens = prefill_case(g, [100, 7], [300, 50], 32, 8, 128, 16, dt, "cuda")
+    (k8, ks), (v8, vs) = to_fp8(kc), to_fp8(vc)
+    close(pa.prefill_attention_triton(q, k8, v8, bt, cu, lens, 16, 0.088, 100, ks, vs),
+          pa.prefill_attention_ref(q, k8, v8, bt, cu, lens, 16, 0.088, ks, vs), dt)
+    q, k, v, pos, cache, _, _ = rope_store_case(g, 9, 32, 8, 128, 40, dt, "cuda")
+    slots = torch.randperm(40, device="cuda")[:9]
+    out = []
+    for fn in (rs.rope_store_triton, rs.rope_store_ref):
+        kc8, vc8 = (torch.zeros(40, 8, 128, dtype=FP8, device="cuda") for _ in range(2))
+        ks, vs = torch.zeros(40, 8, device="cuda"), torch.zeros(40, 8, device="cuda")
+        fn(q, k, v, pos, cache, kc8, vc8, slots, None, None, 1, ks, vs)
+        out.append((kc8.float() * ks[..., None], vc8.float() * vs[..., None]))
+    for a, b in zip(*out):
+        torch.testing.assert_close(a, b, rtol=0.07, atol=1e-3)
