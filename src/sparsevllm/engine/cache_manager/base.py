@@ -209,14 +209,17 @@ class CacheManager:
         """Rotate q and k to the step's positions (RoPE) and write k, v into the cache, in one
         kernel. q, k arrive before RoPE; returns (q, k) after it."""
         k_cache, v_cache = self.pool.layer(layer_id)
-        return rope_store(q, k, v, step.positions, cos_sin_cache, k_cache, v_cache, step.slot_mapping)
+        k_scale, v_scale = self.pool.scales(layer_id)
+        return rope_store(q, k, v, step.positions, cos_sin_cache, k_cache, v_cache, step.slot_mapping,
+                          k_scale=k_scale, v_scale=v_scale)
 
     def store_target(self, layer_id: int, step: StepState) -> StoreTarget | None:
         """Where a decode step's projection may write K/V itself instead of `store_kv` (RoPE and the
         write in the qkv GEMM's epilogue: one launch a layer fewer), or None to keep `store_kv`.
         The write must be exactly what `store_kv` would do; a manager that overrides `store_kv`
-        gets None here unless it overrides this too. Dense: the pool layer and the step's slots."""
-        if step.is_prefill or type(self).store_kv is not CacheManager.store_kv:
+        gets None here unless it overrides this too; so does an FP8 cache (the epilogue writes no
+        scales: rope_store quantizes, one launch a layer more). Dense: the pool layer and the step's slots."""
+        if step.is_prefill or type(self).store_kv is not CacheManager.store_kv or self.kv_dtype != self.dtype:
             return None
         k_cache, v_cache = self.pool.layer(layer_id)
         return StoreTarget(k_cache, v_cache, step.slot_mapping, step.positions)
@@ -231,13 +234,15 @@ class CacheManager:
 
     def prefill_view(self, layer_id: int, step: StepState) -> PrefillView:
         k_cache, v_cache = self.pool.layer(layer_id)
-        return PrefillView(k_cache, v_cache, step.block_tables, step.cache_lens, self.page_size)
+        return PrefillView(k_cache, v_cache, step.block_tables, step.cache_lens, self.page_size,
+                           *self.pool.scales(layer_id))
 
     def build_decode_view(self, layer_id: int, q: torch.Tensor, step: StepState) -> DecodeView:
         """Query-aware selection happens here (q: [B, H_q, D]). Dense: the block table itself."""
         k_cache, v_cache = self.pool.layer(layer_id)
+        k_scale, v_scale = self.pool.scales(layer_id)
         return DecodeView(k_cache, v_cache, step.block_tables.unsqueeze(1), step.cache_lens.unsqueeze(1),
-                          self.page_size)
+                          self.page_size, k_scale=k_scale, v_scale=v_scale)
 
     def on_step_end(self, step: StepState) -> None:
         """Eviction, compaction or compression after the forward was issued (on the host, outside
