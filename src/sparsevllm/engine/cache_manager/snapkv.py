@@ -233,7 +233,7 @@ class SnapKVCacheManager(CacheManager):
         k_cache, _ = self.pool.layer(layer_id)
         for c in step.scratch["snapkv.compactions"]:
             scores = window_scores(q[c.row_end - c.window:c.row_end], k_cache, step.block_tables[c.index],
-                                   c.seq.num_prompt_tokens, self.page_size, self.scale)
+                                   c.seq.num_prompt_tokens, self.page_size, self.scale, self.pool.scales(layer_id)[0])
             # Select now rather than at step end: [H_kv, C] indices per layer instead of [H_kv, L] scores.
             c.kept.append(select_kept(scores, c.window, self.capacity, self.kernel_size, self.pooling))
 
@@ -244,6 +244,10 @@ class SnapKVCacheManager(CacheManager):
             self._compacting.pop(c.seq.seq_id, None)
 
     # ---- compaction ------------------------------------------------------------------------------
+    def _stored(self, layer: int) -> list[torch.Tensor]:
+        """What a token is stored as in one layer: K and V, and their scales in an FP8 pool."""
+        return [x for x in (*self.pool.layer(layer), *self.pool.scales(layer)) if x is not None]
+
     def _compact(self, seq: Sequence, kept: torch.Tensor) -> None:
         """kept: [num_layers, H_kv, C] ascending prompt positions. Move them to fresh pages, release the
         prompt's pages, point the request at the new ones; cache_len = C, the logical length is untouched."""
@@ -263,21 +267,21 @@ class SnapKVCacheManager(CacheManager):
             new = [self.allocator.allocate() for _ in range(need)]
             dst = (to_device(new, dev)[pos // P] * P + pos % P)[:, None]
             for layer in range(self.num_layers):
-                k, v = self.pool.layer(layer)
-                k[dst, heads] = k[src[layer], heads]
-                v[dst, heads] = v[src[layer], heads]
+                for x in self._stored(layer):   # K, V (and their FP8 scales, moved with them)
+                    x[dst, heads] = x[src[layer], heads]
             for page in reversed(old):
                 self.allocator.release(page)
         else:
             # The pool is full: gather every layer first, since the new pages may be the released ones.
             layers = torch.arange(self.num_layers, device=dev)[:, None, None]
-            k_kept, v_kept = self.pool.k[layers, src, heads], self.pool.v[layers, src, heads]
+            stored = [x for x in (self.pool.k, self.pool.v, self.pool.k_scale, self.pool.v_scale) if x is not None]
+            kept_tokens = [x[layers, src, heads] for x in stored]
             for page in reversed(old):
                 self.allocator.release(page)
             new = [self.allocator.allocate() for _ in range(need)]
             dst = (to_device(new, dev)[pos // P] * P + pos % P)[None, :, None]
-            self.pool.k[layers, dst, heads] = k_kept
-            self.pool.v[layers, dst, heads] = v_kept
+            for x, kept_x in zip(stored, kept_tokens):
+                x[layers, dst, heads] = kept_x
         self.tables.replace(seq, new)
         seq.cache_len = C
         self._compacted_now.add(seq.seq_id)
