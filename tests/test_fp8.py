@@ -276,3 +276,9 @@ def test_host_store_fp8_triton_matches_reference_and_copy_pages_moves_scales():
     hk.copy_pages_triton(pools[1][2].unsqueeze(-1), pools[1][3].unsqueeze(-1), ks.unsqueeze(-1),
                          torch.zeros(S, H, 1), torch.tensor([[0]]), dst, 4)
     assert torch.equal(ks[4:8], pools[1][2][0:4])
+
+
+def test_deltakv_with_fp8_raises_naming_the_knob():
+    from sparsevllm.method_registry import make_config
+    with pytest.raises(ValueError, match=r"kv_cache_dtype='fp8' is not supported by vllm_sparse_method='deltakv'"):
+        make_config(None, "deltakv", kv_cache_dtype="fp8", load_format="dummy")

@@ -37,6 +37,8 @@ class Capabilities:
     # for it and its pages may be shared. False for a sparse decode view: the later layers of a
     # generated token saw fewer tokens, and only prompt pages enter the prefix cache.
     dense_decode: bool = True
+    # Runs with kv_cache_dtype="fp8" (else a clear ValueError naming the knob at launch).
+    fp8_kv_cache: bool = True
 
 
 class CacheManager:

@@ -55,7 +55,9 @@ class DeltaKVCacheManager(Compression, CacheManager):
     config_cls = DeltaKVConfig
     # Not under tensor parallelism: the compressor maps all KV heads of a token together ([K; V] of
     # every head -> one latent), so a rank owning some heads cannot compress its part alone.
-    capabilities = Capabilities(prefix_cache=False, tensor_parallel=False)
+    # Not with an FP8 cache yet: its raw slots feed the compressor and the reconstruction kernel,
+    # which read the model dtype.
+    capabilities = Capabilities(prefix_cache=False, tensor_parallel=False, fp8_kv_cache=False)
 
     def allocate_storage(self, num_pages: int) -> int:
         """Full layers raw in pages, the sparse layers' latents and neighbour ids beside them, and a
