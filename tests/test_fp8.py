@@ -282,3 +282,14 @@ def test_deltakv_with_fp8_raises_naming_the_knob():
     from sparsevllm.method_registry import make_config
     with pytest.raises(ValueError, match=r"kv_cache_dtype='fp8' is not supported by vllm_sparse_method='deltakv'"):
         make_config(None, "deltakv", kv_cache_dtype="fp8", load_format="dummy")
+
+
+def test_the_harness_and_the_server_take_the_knob(capsys):
+    from sparsevllm.regression.__main__ import parse_args
+    assert parse_args(["--kv_cache_dtype", "fp8", "--methods", "quest"]).hyper_params == {"kv_cache_dtype": "fp8"}
+    with pytest.raises(SystemExit):
+        parse_args(["--kv_cache_dtype", "fp8", "--hyper_params", '{"kv_cache_dtype": "auto"}'])
+    pytest.importorskip("uvicorn")
+    from sparsevllm.serve.cli import main
+    assert main(["--kv-cache-dtype", "int4"]) == 2
+    assert "kv_cache_dtype='int4' is invalid; valid: auto | fp8 | fp8_e4m3" in capsys.readouterr().err

@@ -50,6 +50,8 @@ def main(argv=None) -> int:
                     help="require 'Authorization: Bearer KEY' (default: $SPARSEVLLM_API_KEY, else none)")
     ap.add_argument("--tensor-parallel-size", type=int, default=1,
                     help="tensor-parallel ranks, one process and one GPU each (default: 1)")
+    ap.add_argument("--kv-cache-dtype", default=None,
+                    help="KV cache storage: auto (the model dtype) | fp8 | fp8_e4m3 (default: auto)")
     ap.add_argument("--hyper-params", default="{}", help="JSON of engine and method knobs")
     args, extra = ap.parse_known_args(argv)
     try:   # the server's and the engine's imports (torch, fastapi) wait until --help has answered
@@ -61,6 +63,8 @@ def main(argv=None) -> int:
         knobs = parse_knobs(extra, args.hyper_params)
         if args.tensor_parallel_size != 1:
             knobs["tensor_parallel_size"] = args.tensor_parallel_size
+        if args.kv_cache_dtype is not None:
+            knobs["kv_cache_dtype"] = args.kv_cache_dtype
         llm = LLM(args.model, vllm_sparse_method=args.sparse_method, **knobs)
         name = args.served_model_name or (os.path.basename(os.path.normpath(args.model)) if args.model
                                           else "smollm2-135m")
