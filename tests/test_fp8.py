@@ -293,3 +293,50 @@ def test_the_harness_and_the_server_take_the_knob(capsys):
     from sparsevllm.serve.cli import main
     assert main(["--kv-cache-dtype", "int4"]) == 2
     assert "kv_cache_dtype='int4' is invalid; valid: auto | fp8 | fp8_e4m3" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- overlap, tensor parallelism, graphs
+
+@pytest.mark.parametrize("method", FP8_METHODS)
+def test_fp8_overlap_equals_no_overlap(tiny_model, method):
+    from test_async_scheduling import build, generate, mixed_params
+    from test_async_scheduling import prompts as async_prompts
+    path = tiny_model("llama")
+    ps = async_prompts([70, 13, 150, 40, 90])
+    free_run = [SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)] * 5
+    reference = [o[0] for o in generate(build(path, method, False, kv_cache_dtype="fp8"), ps, free_run)]
+    params = mixed_params(reference)
+    want = generate(build(path, method, False, kv_cache_dtype="fp8"), ps, params)
+    assert generate(build(path, method, True, kv_cache_dtype="fp8"), ps, params) == want
+
+
+@pytest.mark.parametrize("case", ["vanilla", "quest", "omnikv", "snapkv"])
+def test_fp8_tp2_equals_tp1_token_for_token(tiny_model, case):
+    from test_tensor_parallel_engine import CASES, GREEDY as TP_GREEDY, _run, _tokens
+    path = tiny_model("llama")
+    ref, _, _ = _run(path, kv_cache_dtype="fp8", **CASES[case])
+    outs, followers, _ = _run(path, tensor_parallel_size=2, kv_cache_dtype="fp8", **CASES[case])
+    assert _tokens(outs) == _tokens(ref)
+    assert all(len(o.outputs[0].token_ids) == TP_GREEDY.max_tokens for o in outs)
+    assert followers == [{"idle": True, "num_free": 256, "num_pages": 256, "tables": 0, "mirrors": 0}]
+
+
+@gpu
+@pytest.mark.parametrize("method", FP8_METHODS)
+def test_gpu_fp8_graph_equals_eager_and_overlap_equals_sync(tiny_model, method):
+    """On the GPU in bf16 with an FP8 cache: CUDA graphs give eager's tokens, overlapped scheduling the
+    synchronous engine's, every page comes back, and the outputs stay close to the bf16 cache's."""
+    from test_async_scheduling import generate
+    path = tiny_model("llama")
+    ps = prompts([70, 13, 150, 40, 90])
+    knobs = dict(device="cuda", page_size=8, chunk_prefill_size=64, max_num_seqs=8, kv_cache_dtype="fp8",
+                 **METHOD_KNOBS[method])
+    sp = [SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)] * 5
+    graphs = LLM(path, vllm_sparse_method=method, **knobs)
+    assert graphs.execution_mode == "cuda_graph" and graphs.engine.async_scheduling
+    got = generate(graphs, ps, sp)
+    assert got == generate(LLM(path, vllm_sparse_method=method, enforce_eager=True, **knobs), ps, sp)
+    assert got == generate(LLM(path, vllm_sparse_method=method, async_scheduling=False, **knobs), ps, sp)
+    auto = LLM(path, vllm_sparse_method=method, **dict(knobs, kv_cache_dtype="auto"))
+    d = drift(forced(auto, ps)[0], forced(graphs, ps)[0], forced(auto, ps)[1])
+    assert d < (0.2 if method == "vanilla" else 0.5), d
