@@ -13,18 +13,18 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
 ab() { python scripts/benchmarks/ab_decode.py . "$@" 2>&1 | tee -a "$out/ab_$part.log" | grep '^ROW'; }
 if [ "$part" = first ]; then
   timeout 180 python -m pytest -q -m gpu -k fp8 tests/test_fp8.py 2>&1 | tail -25 | tee "$out/gpu_tests.log"
-  ab vanilla:131072:4:auto vanilla:131072:4:fp8
-  # Capacity: one cap that holds ~2.6 bf16 requests of 130K tokens beside the weights (16.1 GB) and the
-  # activation reserve; fp8 holds 2 x 131072 / (128 + 4) per token and head as many (vanilla).
-  util=$(python -c "import torch; t = torch.cuda.mem_get_info()[1]; print(round((16.1e9 + 2.5e9 + 2.6 * 130100 * 131072) / t, 3))")
+  ab vanilla:128000:4:auto vanilla:128000:4:fp8
+  # Capacity: one cap that holds ~2.6 bf16 requests of 128K tokens beside the weights (16.1 GB) and the
+  # activation reserve; fp8 holds 2 x 128 / (128 + 4) per token and head as many (vanilla).
+  util=$(python -c "import torch; t = torch.cuda.mem_get_info()[1]; print(round((16.1e9 + 2.5e9 + 2.6 * 128100 * 131072) / t, 3))")
   echo "capacity cap gpu_memory_utilization=$util" | tee "$out/capacity.log"
   for kv in auto fp8; do
-    timeout 200 python scripts/benchmarks/capacity.py --method vanilla --length 130000 --output_len 8 --num_requests 5 \
+    timeout 200 python scripts/benchmarks/capacity.py --method vanilla --length 128000 --output_len 8 --num_requests 5 \
       --gpu_memory_utilization "$util" --hyper_params "{\"chunk_prefill_size\": 16384, \"max_num_batched_tokens\": 16384, \"kv_cache_dtype\": \"$kv\"}" \
       --out "$out/capacity.jsonl" 2>&1 | tail -1 | tee -a "$out/capacity.log"
   done
 else
-  ab quest:131072:4:auto quest:131072:4:fp8 omnikv:131072:4:auto omnikv:131072:4:fp8 \
-     snapkv:131072:4:auto snapkv:131072:4:fp8
+  ab quest:128000:4:auto quest:128000:4:fp8 omnikv:128000:4:auto omnikv:128000:4:fp8 \
+     snapkv:128000:4:auto snapkv:128000:4:fp8
   AB_KNOBS='{"hisparse_host_memory_gb": 36}' ab hisparse:65536:4:auto hisparse:65536:4:fp8
 fi
