@@ -278,10 +278,59 @@ def test_host_store_fp8_triton_matches_reference_and_copy_pages_moves_scales():
     assert torch.equal(ks[4:8], pools[1][2][0:4])
 
 
-def test_deltakv_with_fp8_raises_naming_the_knob():
+def test_a_method_without_fp8_raises_naming_the_knob(monkeypatch):
+    from sparsevllm.engine.cache_manager.base import Capabilities
+    from sparsevllm.engine.cache_manager.vanilla import VanillaCacheManager
     from sparsevllm.method_registry import make_config
-    with pytest.raises(ValueError, match=r"kv_cache_dtype='fp8' is not supported by vllm_sparse_method='deltakv'"):
-        make_config(None, "deltakv", kv_cache_dtype="fp8", load_format="dummy")
+    monkeypatch.setattr(VanillaCacheManager, "capabilities", Capabilities(fp8_kv_cache=False))
+    with pytest.raises(ValueError, match=r"kv_cache_dtype='fp8' is not supported by vllm_sparse_method='vanilla'"):
+        make_config(None, kv_cache_dtype="fp8")
+
+
+@interp
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_deltakv_gather_and_reconstruct_fp8_triton_match_references(dtype):
+    """DeltaKV's raw slots in FP8: the compressor's gather and the view's rebuild dequantize as they read."""
+    from test_deltakv import pool_case, recon_case
+
+    from sparsevllm.kernels import deltakv as kd
+    k, v, slots, cos_sin = pool_case(30, 2, 8, dtype=dtype)
+    (k8, ks), (v8, vs) = to_fp8(k), to_fp8(v)
+    pos = torch.arange(30)
+    want = kd.gather_x_ref(k8, v8, slots, pos, cos_sin, torch.float32, ks, vs)
+    torch.testing.assert_close(kd.gather_x_triton(k8, v8, slots, pos, cos_sin, torch.float32, ks, vs), want,
+                               atol=1e-3, rtol=1e-3)
+    deq = kd.gather_x_ref(k8.float() * ks[..., None], v8.float() * vs[..., None], slots, pos, cos_sin)
+    torch.testing.assert_close(want, deq)
+    args = list(recon_case(dtype=dtype))
+    (args[4], ks), (args[5], vs) = to_fp8(args[4]), to_fp8(args[5])
+    B, C = args[0].shape
+    outs = []
+    for fn in (kd.reconstruct_ref, kd.reconstruct_triton):
+        o_k, o_v = torch.full((B * C, 2, 8), 7.0, dtype=dtype), torch.full((B * C, 2, 8), 7.0, dtype=dtype)
+        fn(*args, o_k, o_v, ks, vs)
+        outs.append((o_k, o_v))
+    for a, b in zip(*outs):
+        torch.testing.assert_close(a, b, atol=2e-3, rtol=2e-3)
+
+
+@pytest.mark.parametrize("chunk", [4096, 64])
+def test_deltakv_fp8_with_an_identity_compressor_equals_vanilla_fp8(tiny_model, tmp_path, chunk):
+    """Raw slots and full layers in FP8, latents and the rebuilt scratch in the model dtype: with an
+    identity compressor and a decode_keep covering every compressed token, DeltaKV rebuilds exactly the
+    dequantized tokens vanilla's FP8 cache reads, so the tokens are vanilla's."""
+    from test_deltakv import SMALL, compressor, count_compressions, model, run
+    from test_deltakv import prompts as dk_prompts
+    path = model(tiny_model)
+    comp = compressor(path, tmp_path / "c", "identity")
+    ps = dk_prompts([300, 170, 45], seed=3)
+    sp = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    want = run(LLM(path, device="cpu", chunk_prefill_size=chunk, kv_cache_dtype="fp8"), ps, sp)
+    llm = LLM(path, vllm_sparse_method="deltakv", device="cpu", deltakv_compressor_path=comp, kv_cache_dtype="fp8",
+              chunk_prefill_size=chunk, deltakv_decode_keep=512, **SMALL)
+    log = count_compressions(llm)
+    assert run(llm, ps, sp) == want
+    assert log["tokens"] > 250 and llm.engine.cache_manager.raw.k.dtype == FP8
 
 
 def test_the_harness_and_the_server_take_the_knob(capsys):
