@@ -2,7 +2,8 @@
 # GPU evidence for the FP8 KV cache (issue #50) on one H100 / H200, in two parts that each fit an
 # 8-minute run (a 128K prefill and an engine start cost ~30-40 s a case):
 #   bash scripts/benchmarks/fp8_evidence.sh first  $OUT   # GPU fp8 tests; vanilla auto vs fp8 at 128K x 4; capacity
-#   bash scripts/benchmarks/fp8_evidence.sh sparse $OUT   # quest, omnikv, snapkv auto vs fp8 at 128K x 4; hisparse 64K x 4
+#   bash scripts/benchmarks/fp8_evidence.sh sparse $OUT   # quest, omnikv, snapkv auto vs fp8 at 128K x 4; hisparse 64K x 4;
+#                                                           deltakv 32K x 4 (random compressor)
 # Every A/B pair runs in one process on one card (ab_decode.py: Llama-3.1-8B shape, random bf16 weights,
 # CUDA graphs, output 256); compare the fp8 / auto ratio of decode_tok_s. Logs and ROW lines go to $OUT.
 set -uo pipefail
@@ -27,4 +28,5 @@ else
   ab quest:128000:4:auto quest:128000:4:fp8 omnikv:128000:4:auto omnikv:128000:4:fp8 \
      snapkv:128000:4:auto snapkv:128000:4:fp8
   AB_KNOBS='{"hisparse_host_memory_gb": 36}' ab hisparse:65536:4:auto hisparse:65536:4:fp8
+  ab deltakv:32000:4:auto deltakv:32000:4:fp8   # no prefix cache: each request prefills its own prompt
 fi
