@@ -53,7 +53,7 @@ def parse_args(argv=None) -> RunConfig:
                    help="JSON engine/method knobs; a method-name key holds that method's overrides, "
                         "a list value is swept, e.g. "
                         "'{\"max_num_seqs\": 8, \"quest\": {\"quest_token_budget\": [256, 512]}}'")
-    p.add_argument("--kv_cache_dtype", default=None,
+    p.add_argument("--kv_cache_dtype", default="auto",
                    help="KV cache storage of every run: auto | fp8 | fp8_e4m3 (the kv_cache_dtype knob; "
                         "--hyper_params '{\"kv_cache_dtype\": [\"auto\", \"fp8\"]}' sweeps both)")
     p.add_argument("--out_dir", default="regression_out",
@@ -69,7 +69,7 @@ def parse_args(argv=None) -> RunConfig:
     p.add_argument("--fidelity_tokens", type=int, default=32,
                    help="teacher-forced tokens per fidelity sample")
     a = p.parse_args(argv)
-    if a.kv_cache_dtype is not None:
+    if a.kv_cache_dtype != "auto":
         if "kv_cache_dtype" in a.hyper_params:
             p.error("give kv_cache_dtype once: --kv_cache_dtype or in --hyper_params")
         a.hyper_params["kv_cache_dtype"] = a.kv_cache_dtype
