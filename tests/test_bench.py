@@ -374,3 +374,24 @@ def test_recall_sample_every_puts_the_mean_attention_recall_in_the_row(tmp_path)
     result = bench_case.run_engine_case(case)
     assert 0.0 < result["attention_recall"] < 1.0 and result["attention_recall_output_rel_error"] > 0
     assert "attention_recall" in bench_case.METRIC_KEYS
+
+
+def test_fp8_rows_count_fp8_bytes_and_scales_in_the_roofline():
+    """--kv_cache_dtype fp8 reaches every method's config, and the roofline prices a KV token at one
+    byte an element plus the fp32 scales (Llama-3.1-8B: 2 x 32 x 8 x (128 + 4) bytes)."""
+    args = bench_sparse_vllm.build_parser().parse_args(["--model_path", "llama-3.1-8b", "--lengths", "130000",
+                                                        "--batch_sizes", "4", "--kv_cache_dtype", "fp8", "--output_len", "256"])
+    plan = bench_sparse_vllm.validate(args)
+    assert plan["resolved"]["vanilla"]["kv_cache_dtype"] == "fp8"
+    args.command = "python bench_sparse_vllm.py"
+    case = {"run_id": "r", "method": "vanilla", "length": 130000, "batch": 4, "output_len": 256,
+            "vary_output": False, "repeat": 1, "seed": 0, "model_config": plan["model_config"], "engine_kwargs": {},
+            "resolved_knobs": plan["resolved"]["vanilla"]}
+    result = {"environment": {"gpu": "NVIDIA H200"}, "status": "ok", "error": None, "dtype": "bfloat16"}
+    row = bench_sparse_vllm.make_row(case, result, args, plan)
+    assert row["kv_bytes_per_token"] == 2 * 32 * 8 * 132
+    bf16 = bench_roofline.roofline(plan["model_config"], 2, None, 4, 130000, 256)["roofline_tok_s"]
+    assert 1.6 < row["roofline_tok_s"] / bf16 < 2.0   # the weights still cost the same
+    with pytest.raises(ValueError, match="contradicts"):
+        bench_sparse_vllm.validate(bench_sparse_vllm.build_parser().parse_args(
+            ["--model_path", "tiny", "--kv_cache_dtype", "fp8", "--hyper_params", '{"kv_cache_dtype": "auto"}']))

@@ -338,7 +338,7 @@ def test_cli_defaults_are_run_config_defaults_and_shown_in_help(capsys):
                   "(default: regression_out)", "(default: 5.0)", "(default: 32)"):
         assert shown in text, shown
     # every option of the usage line ([--model MODEL] ..., all but [-h]) states its default
-    assert text.count("(default: ") == text.count("[--") == 12
+    assert text.count("(default: ") == text.count("[--") == 13
 
 
 def test_cli_names_the_json_error_of_hyper_params(capsys):

@@ -20,7 +20,7 @@ NODEID = "tests/triton_compiles.py::every_kernel_run_under_the_interpreter_compi
 LAUNCHES: dict = {}   # key -> launch: module, name, signature, constexprs, options (plain values)
 _TRITON_TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.float64: "fp64",
                  torch.int64: "i64", torch.int32: "i32", torch.int16: "i16", torch.int8: "i8", torch.uint8: "u8",
-                 torch.bool: "i1"}
+                 torch.bool: "i1", torch.float8_e4m3fn: "fp8e4nv"}
 
 
 @functools.cache

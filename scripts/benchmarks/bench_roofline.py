@@ -50,19 +50,24 @@ def weight_bytes(cfg: dict, dtype_bytes: int) -> int:
     return params * dtype_bytes
 
 
-def kv_bytes_per_token(cfg: dict, dtype_bytes: int) -> int:
+def kv_bytes_per_token(cfg: dict, dtype_bytes: int, kv_cache_dtype: str = "auto") -> int:
+    """K + V bytes of one token over every layer as stored: the model dtype, or (kv_cache_dtype fp8)
+    one byte an element plus an fp32 scale per KV head for K and for V (engine/kv_pool.py)."""
     kv_heads = cfg.get("num_key_value_heads", cfg["num_attention_heads"])
-    return 2 * cfg["num_hidden_layers"] * kv_heads * _head_dim(cfg) * dtype_bytes
+    per_head = _head_dim(cfg) * dtype_bytes if kv_cache_dtype == "auto" else _head_dim(cfg) + 4
+    return 2 * cfg["num_hidden_layers"] * kv_heads * per_head
 
 
 def roofline(cfg: dict, dtype_bytes: int, kv_read: Callable[[int, int], float] | None, batch: int, length: int,
-             output_len: int, hbm_bw: float = DEFAULT_HBM_BW) -> dict:
+             output_len: int, hbm_bw: float = DEFAULT_HBM_BW, kv_cache_dtype: str = "auto") -> dict:
     """Decode tok/s at the bandwidth limit, averaged over the steps of the generation: the step that
     produces token i attends to length + i tokens. kv_read(prompt_len, cache_len) -> KV tokens one
-    request's step reads; None reads the whole cache."""
+    request's step reads; None reads the whole cache. With an FP8 cache a token costs its FP8 bytes
+    and scales; metadata counted in token units (page bounds, kept in the model dtype) is then
+    priced at that rate too, an undercount of at most the bounds' share (1/P of the context)."""
     read = kv_read or (lambda prompt_len, cache_len: cache_len)
     w = weight_bytes(cfg, dtype_bytes)
-    per_tok = kv_bytes_per_token(cfg, dtype_bytes)
+    per_tok = kv_bytes_per_token(cfg, dtype_bytes, kv_cache_dtype)
     steps = [(w + batch * per_tok * read(length, length + i)) / hbm_bw for i in range(max(output_len, 1))]
     step_time = sum(steps) / len(steps)
     return {"roofline_tok_s": batch / step_time, "roofline_step_ms": step_time * 1e3,

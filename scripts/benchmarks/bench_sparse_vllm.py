@@ -90,6 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeat", type=int, default=1,
                    help="measured generations per case, each with fresh prompts; the median is reported")
     p.add_argument("--enforce_eager", action="store_true", help="decode without CUDA graphs")
+    p.add_argument("--kv_cache_dtype", default=None,
+                   help="KV cache storage for every method: auto (the model dtype) | fp8 | fp8_e4m3 "
+                        "(same as the kv_cache_dtype knob in --hyper_params)")
     p.add_argument("--tp", type=int, default=1,
                    help="tensor-parallel ranks (GPUs of this host) per case; 1 runs on one device")
     p.add_argument("--baseline", choices=BASELINES, default=None,
@@ -146,6 +149,11 @@ def validate(args) -> dict:
             raise ValueError(f"--hyper_params must not set {key!r}; use {flag}")
     if args.enforce_eager:
         knobs["enforce_eager"] = True
+    if args.kv_cache_dtype is not None:
+        if knobs.get("kv_cache_dtype", args.kv_cache_dtype) != args.kv_cache_dtype:
+            raise ValueError(f"--kv_cache_dtype {args.kv_cache_dtype} contradicts --hyper_params' kv_cache_dtype "
+                             f"{knobs['kv_cache_dtype']!r}; give one of them")
+        knobs["kv_cache_dtype"] = args.kv_cache_dtype
     if args.tp < 1:
         raise ValueError(f"--tp {args.tp} is invalid; it must be an integer >= 1")
     if args.tp > 1:
@@ -290,7 +298,7 @@ def make_row(case: dict, result: dict, args, plan: dict) -> dict:
         row["measured_copy_bw"] = cpu_bw
     roof = bench_roofline.roofline(case["model_config"], _dtype_bytes(result, resolved),
                                    kv_read_model(plan, case["method"]), case["batch"], case["length"],
-                                   case["output_len"], bw)
+                                   case["output_len"], bw, resolved.get("kv_cache_dtype", "auto"))
     row.update(roof)
     dec = row.get("decode_tok_s")
     row["roofline_fraction"] = dec / roof["roofline_tok_s"] if dec else None

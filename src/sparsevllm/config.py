@@ -11,6 +11,8 @@ from dataclasses import dataclass, field, fields
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 LOAD_FORMATS = ("auto", "dummy")
+# KV cache storage: "auto" stores the model dtype; "fp8" (= "fp8_e4m3") stores float8_e4m3fn.
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 
 
 def is_int(x) -> bool:
@@ -53,6 +55,7 @@ class EngineConfig(Knobs):
     model: str | None = None
     vllm_sparse_method: str = "vanilla"
     dtype: str = "auto"
+    kv_cache_dtype: str = "auto"           # auto (the model dtype) | fp8 | fp8_e4m3 (the same)
     device: str = "auto"
     page_size: int = 16
     max_num_seqs: int = 64
@@ -79,6 +82,7 @@ class EngineConfig(Knobs):
         self.method_config.validate(self)  # first: a method may dictate an engine knob (its page size)
         need = self.need
         need(self.dtype in DTYPES, "dtype", " | ".join(DTYPES))
+        need(self.kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype", " | ".join(KV_CACHE_DTYPES))
         need(self.device in DEVICES, "device", " | ".join(DEVICES))
         need(self.load_format in LOAD_FORMATS, "load_format", " | ".join(LOAD_FORMATS))
         p = self.page_size

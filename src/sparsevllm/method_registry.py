@@ -75,4 +75,7 @@ def make_config(model: str | None = None, vllm_sparse_method: str | None = None,
     cfg = EngineConfig(model=model, vllm_sparse_method=method_cls.method_name,
                        method_config=method_cls.config_cls(**method_kw), method=method_cls, **engine_kw)
     cfg.validate()
+    if cfg.kv_cache_dtype != "auto" and not method_cls.capabilities.fp8_kv_cache:
+        raise ValueError(f"kv_cache_dtype={cfg.kv_cache_dtype!r} is not supported by vllm_sparse_method="
+                         f"{method_cls.method_name!r} yet; valid: auto")
     return cfg

@@ -11,6 +11,8 @@ from collections import deque
 
 import torch
 
+from sparsevllm.engine.kv_pool import FP8, bytes_per_token_head
+
 GiB = 1 << 30
 
 
@@ -56,23 +58,33 @@ class HostPool:
         shape = (num_layers, num_pages * page_size, num_kv_heads, head_dim)
         self.k = torch.zeros(shape, dtype=dtype)
         self.v = torch.zeros(shape, dtype=dtype)
+        # FP8: each token's K and V scales per KV head travel with it (engine/kv_pool.py)
+        self.k_scale = torch.ones(shape[:3]) if dtype == FP8 else None
+        self.v_scale = torch.ones(shape[:3]) if dtype == FP8 else None
+        self._tensors = [t for t in (self.k, self.v, self.k_scale, self.v_scale) if t is not None]
         if pin:
-            for t in (self.k, self.v):
+            for t in self._tensors:
                 pin_in_place(t)
             # Unregister when the pool dies, before its tensors free the memory.
-            weakref.finalize(self, unpin, [self.k.data_ptr(), self.v.data_ptr()])
+            weakref.finalize(self, unpin, [t.data_ptr() for t in self._tensors])
         self.free_pages: deque[int] = deque(range(num_pages))
 
     @staticmethod
     def bytes_per_page(num_layers, page_size, num_kv_heads, head_dim, dtype) -> int:
-        return 2 * num_layers * page_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+        return 2 * num_layers * page_size * num_kv_heads * bytes_per_token_head(head_dim, dtype)
 
     def layer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k[layer_id], self.v[layer_id]
 
+    def scales(self, layer_id: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The layer's K and V scales [num_slots, H_kv] of an FP8 pool; (None, None) otherwise."""
+        if self.k_scale is None:
+            return None, None
+        return self.k_scale[layer_id], self.v_scale[layer_id]
+
     @property
     def nbytes(self) -> int:
-        return self.k.nbytes + self.v.nbytes
+        return sum(t.nbytes for t in self._tensors)
 
     @property
     def num_free(self) -> int:

@@ -5,6 +5,23 @@ of a request is table[t // P] * P + t % P. Full pages of raw prompt/decode KV ar
 xxhash (hash of the previous page's hash and this page's tokens), so equal prefixes map to equal
 pages and are shared by refcount. A freed page keeps its hash until it is reused, which is what
 makes a later request with the same prefix a hit.
+
+FP8 (kv_cache_dtype="fp8"): K and V are stored as float8_e4m3fn with one fp32 scale per stored
+token and KV head, for K and for V (k_scale, v_scale: [num_layers, num_slots, H_kv]); the value is
+x * scale. The scale is amax(|x|) / 448 over the token's D channels, written with the token by the
+store (kernels/rope_store.py) and never revised, so nothing is ever requantized: a prefill chunk, a
+decode token, SnapKV's compaction, HiSparse's host copies move tokens and their scales together.
+Why this granularity: measured on the CPU with the embedded SmolLM2 (fp32), teacher-forced decode of
+32 tokens after 4 prompts each of 1K and 2K tokens, against the model dtype (docs/performance.md;
+`PYTHONPATH=src python scripts/benchmarks/fp8_granularity.py --lengths 1024,2048 --samples 4`):
+mean |delta log p| / KL per token: one scale per tensor (1.0, vLLM's default without calibrated
+scales) 0.115 / 0.0162; a static scale per layer and KV head (calibrated on the very samples, the best
+case of static scales) 0.111 / 0.0168; a scale per token and KV head 0.083 / 0.0093, the most
+accurate (K and V entries far below a head's largest fall under E4M3's normal range under a shared
+scale, and lose their precision there). It needs no calibration, costs 8 bytes a token and KV head
+(3% of the FP8 KV at D = 128, 6% at D = 64) and one multiply per logit column and value row in the
+attention; a per-page scale would have to requantize a page as it fills. Its speed is measured on
+the GPU by scripts/benchmarks/fp8_evidence.sh.
 """
 from collections import OrderedDict, deque
 
@@ -13,6 +30,19 @@ import torch
 import xxhash
 
 from sparsevllm.engine.sequence import Sequence
+
+
+FP8 = torch.float8_e4m3fn
+
+
+def bytes_per_token_head(head_dim: int, dtype: torch.dtype) -> int:
+    """Bytes of one token's K (or V) of one KV head as stored: its elements, and its fp32 scale in FP8."""
+    return head_dim * torch.empty((), dtype=dtype).element_size() + (4 if dtype == FP8 else 0)
+
+
+def kv_storage_dtype(kv_cache_dtype: str, dtype: torch.dtype) -> torch.dtype:
+    """The element type KV is stored in: the model dtype ("auto") or float8_e4m3fn ("fp8", "fp8_e4m3")."""
+    return dtype if kv_cache_dtype == "auto" else FP8
 
 
 def page_hash(token_ids: list[int], prev_hash: int) -> int:
@@ -29,17 +59,28 @@ class KVPool:
         shape = (num_layers, num_pages * page_size, num_kv_heads, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.k_scale = self.v_scale = None
+        if dtype == FP8:
+            self.k_scale = torch.ones(shape[:3], dtype=torch.float32, device=device)
+            self.v_scale = torch.ones(shape[:3], dtype=torch.float32, device=device)
 
     def layer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k[layer_id], self.v[layer_id]
 
+    def scales(self, layer_id: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The layer's K and V scales [num_slots, H_kv] of an FP8 pool; (None, None) otherwise."""
+        if self.k_scale is None:
+            return None, None
+        return self.k_scale[layer_id], self.v_scale[layer_id]
+
     @property
     def nbytes(self) -> int:
-        return self.k.nbytes + self.v.nbytes
+        scales = 0 if self.k_scale is None else self.k_scale.nbytes + self.v_scale.nbytes
+        return self.k.nbytes + self.v.nbytes + scales
 
     @staticmethod
     def bytes_per_page(num_layers, page_size, num_kv_heads, head_dim, dtype) -> int:
-        return 2 * num_layers * page_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+        return 2 * num_layers * page_size * num_kv_heads * bytes_per_token_head(head_dim, dtype)
 
 
 class PageAllocator:

@@ -113,7 +113,7 @@ def measured_attention(layer_id: int, q: torch.Tensor, view, scale: float, cache
     B, Hq, _ = q.shape
     lse = torch.empty(B, Hq, dtype=torch.float32, device=q.device)
     out = decode_attention(q, view.k_cache, view.v_cache, view.table, view.lengths, view.page_size, scale,
-                           view.token_scores, lse)
+                           view.token_scores, view.k_scale, view.v_scale, lse_out=lse)
     dense = cache_manager.recall_view(layer_id, step)
     if dense is None:
         return out
@@ -121,7 +121,7 @@ def measured_attention(layer_id: int, q: torch.Tensor, view, scale: float, cache
     lengths = dense.lengths * sample.marked.view(B, 1).to(dense.lengths.dtype)
     lse_dense = torch.empty_like(lse)
     out_dense = decode_attention(q, dense.k_cache, dense.v_cache, dense.table, lengths.contiguous(),
-                                 dense.page_size, scale, None, lse_dense).float()
+                                 dense.page_size, scale, None, dense.k_scale, dense.v_scale, lse_out=lse_dense).float()
     recall = torch.exp(lse - lse_dense).clamp(max=1.0).mean(dim=1)
     error = (out.float() - out_dense).flatten(1).norm(dim=1) / out_dense.flatten(1).norm(dim=1).clamp(min=1e-30)
     sample.record(layer_id, recall, error, (lengths > 0).all(dim=1))

@@ -19,24 +19,30 @@ class DecodeView:
     per query head: a GQA group's query heads then read their KV head's pages separately).
     token_scores (optional, G = 1): an fp32 [B, H_kv, N * P] buffer the attention fills with each
     token's raw logit max over each KV group's query heads, for a method that selects from them
-    (an OmniKV filter layer) without reading the keys again."""
+    (an OmniKV filter layer) without reading the keys again. k_scale / v_scale: an FP8 cache's
+    [num_slots, H_kv] fp32 scales, indexed like k_cache / v_cache (None: the cache holds the values)."""
     k_cache: torch.Tensor
     v_cache: torch.Tensor
     table: torch.Tensor      # [B, G, N] int32
     lengths: torch.Tensor    # [B, G] int32
     page_size: int
     token_scores: torch.Tensor | None = None
+    k_scale: torch.Tensor | None = None
+    v_scale: torch.Tensor | None = None
 
 
 @dataclass
 class PrefillView:
     """What prefill attention reads: the chunk's queries attend to keys [0, cache_lens[i]) of
-    request i through its block table (prefix + the chunk itself, already stored)."""
+    request i through its block table (prefix + the chunk itself, already stored). k_scale /
+    v_scale: an FP8 cache's scales, as in DecodeView."""
     k_cache: torch.Tensor
     v_cache: torch.Tensor
     block_tables: torch.Tensor   # [B, N] int32
     cache_lens: torch.Tensor     # [B] int32
     page_size: int
+    k_scale: torch.Tensor | None = None
+    v_scale: torch.Tensor | None = None
 
 
 @dataclass
@@ -44,7 +50,8 @@ class StoreTarget:
     """Where a decode step's new K/V go, for a projection that writes them itself (the qkv GEMM's
     epilogue on decode steps: RoPE, the write, and optionally per-page key bounds, in the launch
     that computes them). slot_mapping / positions: [T] as in StepState; page_min / page_max:
-    [num_pages, H_kv, D] channel-wise bounds of each page's keys to fold each new key into, or None."""
+    [num_pages, H_kv, D] channel-wise bounds of each page's keys to fold each new key into, or None.
+    Never for an FP8 cache: the epilogue does not quantize (store_target says None, rope_store writes)."""
     k_cache: torch.Tensor
     v_cache: torch.Tensor
     slot_mapping: torch.Tensor

@@ -31,6 +31,18 @@ else:
         tl.inline_asm_elementwise("prefetch.global.L2 [$1];", "=r,l", [ptrs], dtype=tl.int32, is_pure=False, pack=1)
 
 
+# FP8 KV cache (engine/kv_pool.py): float8_e4m3fn's largest finite value. A stored token's K (V) of
+# one KV head is x / scale with scale = amax(|x|) / FP8_MAX over its D channels (1 for a zero vector).
+FP8_MAX = 448.0
+
+
+def quantize_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x: [..., D] -> (x / scale in float8_e4m3fn, scale [...] fp32), one scale per vector."""
+    amax = x.float().abs().amax(-1)
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    return (x.float() / scale.unsqueeze(-1)).to(torch.float8_e4m3fn), scale
+
+
 def use_triton(x: torch.Tensor) -> bool:
     """CUDA tensors go to the Triton kernels, everything else to the references."""
     return triton is not None and x.is_cuda

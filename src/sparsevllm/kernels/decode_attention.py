@@ -14,6 +14,11 @@ splits (a single split writes the output itself). The split count depends only o
 shapes (B, H_kv, N, P), never on the lengths, so a CUDA graph captured per batch bucket replays
 correctly for any lengths: each row divides its own length over the splits in-kernel, and splits
 left empty write lse = -inf which the merge ignores.
+
+An FP8 cache (kv_cache_dtype="fp8") passes k_scale / v_scale, [num_slots, H_kv] fp32: a stored
+token's K (V) of KV head h is k_cache[slot, h] * k_scale[slot, h]. The kernel widens the fp8 tiles
+in registers, scales the logits' columns by the keys' scales and the values' rows by theirs: no
+dequantized copy of the cache is ever made (engine/kv_pool.py says why a scale per token and head).
 """
 
 import os
@@ -47,11 +52,19 @@ MAX_SCORE_ITERS = 32    # blocks of staged token scores a program holds (32 x 64
 LN2 = 0.6931471805599453   # log-sum-exps leave the kernels in log2 units
 
 
+def dequant(cache: torch.Tensor, scale: torch.Tensor | None, index: tuple) -> torch.Tensor:
+    """cache[index] in fp32, times its scales where the cache is FP8 (only the gathered tokens)."""
+    x = cache[index].float()
+    return x if scale is None else x * scale[index].unsqueeze(-1)
+
+
 def decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          table: torch.Tensor, lengths: torch.Tensor, page_size: int,
                          scale: float, token_scores: torch.Tensor | None = None,
+                         k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
                          lse_out: torch.Tensor | None = None) -> torch.Tensor:
     """q: [B, H_q, D]; k_cache, v_cache: [num_slots, H_kv, D] -> out [B, H_q, D] in q's dtype.
+    k_scale, v_scale: [num_slots, H_kv] fp32 scales of an FP8 cache, or None (the cache is the values).
 
     token_scores (G = 1 only): an fp32 [B, H_kv, >= N * P] buffer; entry (b, g, t) is set to the max
     over KV group g's query heads of the raw logit q . k_t * scale for every t < lengths[b] (entries
@@ -74,7 +87,7 @@ def decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     valid = offs.view(1, 1, T) < lengths.long().unsqueeze(-1)              # [B, G, T]
     if G == Hq and Hq != Hkv:   # a token set per query head: each row is a group of one
         heads = (torch.arange(Hq, device=q.device) // (Hq // Hkv)).view(1, Hq, 1)
-        k, v = k_cache[slots, heads].float(), v_cache[slots, heads].float()   # [B, H_q, T, D]
+        k, v = dequant(k_cache, k_scale, (slots, heads)), dequant(v_cache, v_scale, (slots, heads))   # [B, H_q, T, D]
         scores = torch.einsum("bhd,bhtd->bht", q.float(), k) * scale
         scores = scores.masked_fill(~valid, float("-inf"))
         if lse_out is not None:
@@ -83,13 +96,13 @@ def decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         probs = probs.masked_fill(~valid, 0.0)   # an empty row (length 0): zeros as the kernel, not NaN
         return torch.einsum("bht,bhtd->bhd", probs, v).to(q.dtype)
     if G == 1:
-        k = k_cache[slots[:, 0]].transpose(1, 2)                          # [B, H_kv, T, D]
-        v = v_cache[slots[:, 0]].transpose(1, 2)
+        k = dequant(k_cache, k_scale, (slots[:, 0],)).transpose(1, 2)     # [B, H_kv, T, D]
+        v = dequant(v_cache, v_scale, (slots[:, 0],)).transpose(1, 2)
         valid = valid.expand(B, Hkv, T)
     else:
         heads = torch.arange(Hkv, device=q.device).view(1, Hkv, 1)
-        k = k_cache[slots, heads]                                         # [B, H_kv, T, D]
-        v = v_cache[slots, heads]
+        k = dequant(k_cache, k_scale, (slots, heads))                     # [B, H_kv, T, D]
+        v = dequant(v_cache, v_scale, (slots, heads))
     qg = q.float().view(B, Hkv, Hq // Hkv, D)
     scores = torch.einsum("bhgd,bhtd->bhgt", qg, k.float()) * scale
     scores = scores.masked_fill(~valid.unsqueeze(2), float("-inf"))
@@ -107,6 +120,7 @@ def decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
 @jit
 def _decode_split_kernel(
         q_ptr, k_ptr, v_ptr, table_ptr, len_ptr, mid_o_ptr, mid_lse_ptr, out_ptr, tok_ptr, qk_scale,
+        ks_ptr, vs_ptr, stride_ss, stride_sh,
         stride_qb, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh,
         stride_tb, stride_tg, stride_lb, stride_lg,
         stride_ob, stride_oh, stride_os, stride_lseb, stride_lseh, stride_outb, stride_outh,
@@ -115,7 +129,7 @@ def _decode_split_kernel(
         QG: tl.constexpr, KV_DIV: tl.constexpr, P: tl.constexpr, HEAD_DIM: tl.constexpr,
         BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
         UPCAST: tl.constexpr, DOT_PREC: tl.constexpr, DIRECT: tl.constexpr, TOKEN_SCORES: tl.constexpr,
-        SCORE_ITERS: tl.constexpr, PDL: tl.constexpr = False):
+        SCORE_ITERS: tl.constexpr, SCALED: tl.constexpr = False, PDL: tl.constexpr = False):
     if PDL:   # everything read here (q, the cache, the view) comes from the kernels before
         gdc_wait()
     b = tl.program_id(0)
@@ -170,10 +184,15 @@ def _decode_split_kernel(
                     mask=kv_mask, other=0.0)
         v = tl.load(v_ptr + slot[:, None] * stride_vs + kvh * stride_vh + dims[None, :],
                     mask=kv_mask, other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
+        k = k.to(q.dtype)   # widened in registers (UPCAST: fp32; an FP8 cache: q's dtype)
+        if SCALED:   # FP8: a key's scale multiplies its logit column, a value's scale its row
+            s_off = slot * stride_ss + kvh * stride_sh
+            v = (v.to(tl.float32) * tl.load(vs_ptr + s_off, mask=tok_ok, other=0.0)[:, None]).to(q.dtype)
+        else:
+            v = v.to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale   # log2 domain
+        if SCALED:
+            s = s * tl.load(ks_ptr + s_off, mask=tok_ok, other=0.0)[None, :]
         s = tl.where(tok_ok[None, :], s, float("-inf"))
         if TOKEN_SCORES:   # max over this KV group's heads, a row per group: plain stores (atomics
             # across the groups' programs cost 0.4 ms a filter layer at 128K x 4 on the H200)
@@ -239,6 +258,7 @@ def num_splits(batch: int, num_kv_heads: int, table_width: int, page_size: int,
 def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             table: torch.Tensor, lengths: torch.Tensor, page_size: int,
                             scale: float, token_scores: torch.Tensor | None = None,
+                            k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
                             lse_out: torch.Tensor | None = None) -> torch.Tensor:
     """Same contract as decode_attention_ref."""
     B, Hq, D = q.shape
@@ -266,6 +286,10 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     if token_scores is not None:
         assert G == 1 and token_scores.dtype == torch.float32 and token_scores.stride(-1) == 1
         assert token_scores.shape[:2] == (B, Hkv) and token_scores.shape[2] >= N * page_size
+    scaled = k_scale is not None
+    if scaled:
+        assert v_scale is not None and k_scale.dtype == v_scale.dtype == torch.float32
+        assert k_scale.shape == v_scale.shape == k_cache.shape[:2] and k_scale.stride() == v_scale.stride()
     stride_tg = table.stride(1) if G > 1 else 0
     stride_lg = lengths.stride(1) if G > 1 else 0
     BLOCK_D = pow2(D)
@@ -274,6 +298,7 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     _decode_split_kernel[(B, rows, S)](
         q, k_cache, v_cache, table, lengths, mid_o, mid_lse, out,
         token_scores if token_scores is not None else out, scale * 1.4426950408889634,
+        k_scale if scaled else mid_lse, v_scale if scaled else mid_lse, *(k_scale.stride() if scaled else (0, 0)),
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         v_cache.stride(0), v_cache.stride(1),
         table.stride(0), stride_tg, lengths.stride(0), stride_lg,
@@ -282,7 +307,7 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         S, QG=QG, KV_DIV=Hq // Hkv if per_query_head else 1, P=P, HEAD_DIM=D, BLOCK_D=BLOCK_D,
         BLOCK_H=max(16, pow2(QG)), BLOCK_N=BLOCK_N,
         UPCAST=upcast, DOT_PREC=dot_precision(q.dtype), DIRECT=direct, TOKEN_SCORES=token_scores is not None,
-        SCORE_ITERS=score_iters, PDL=on,
+        SCORE_ITERS=score_iters, SCALED=scaled, PDL=on,
         num_warps=SCORES_NUM_WARPS if token_scores is not None else NUM_WARPS,
         num_stages=SCORES_NUM_STAGES if token_scores is not None else NUM_STAGES, **launch)
     if direct:
@@ -296,7 +321,10 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     return out
 
 
-def decode_attention(q, k_cache, v_cache, table, lengths, page_size, scale, token_scores=None, lse_out=None):
+def decode_attention(q, k_cache, v_cache, table, lengths, page_size, scale, token_scores=None, k_scale=None,
+                     v_scale=None, lse_out=None):
     if use_triton(q):
-        return decode_attention_triton(q, k_cache, v_cache, table, lengths, page_size, scale, token_scores, lse_out)
-    return decode_attention_ref(q, k_cache, v_cache, table, lengths, page_size, scale, token_scores, lse_out)
+        return decode_attention_triton(q, k_cache, v_cache, table, lengths, page_size, scale, token_scores,
+                                       k_scale, v_scale, lse_out)
+    return decode_attention_ref(q, k_cache, v_cache, table, lengths, page_size, scale, token_scores, k_scale,
+                                v_scale, lse_out)

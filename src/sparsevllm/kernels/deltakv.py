@@ -24,6 +24,7 @@ compressor works on x = [K before RoPE ; V]. So:
 import torch
 
 from sparsevllm.kernels.common import dot_precision, jit, pow2, tl, upcast_loads, use_triton
+from sparsevllm.kernels.decode_attention import dequant
 
 
 def _cos_sin(cos_sin_cache: torch.Tensor, positions: torch.Tensor):
@@ -39,20 +40,22 @@ def _rotate(k: torch.Tensor, cos, sin, sign: float) -> torch.Tensor:
 # ---------------------------------------------------------------- gather_x
 
 def gather_x_ref(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
-                 cos_sin_cache: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+                 cos_sin_cache: torch.Tensor, dtype: torch.dtype = torch.float32, k_scale: torch.Tensor | None = None,
+                 v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """k_cache, v_cache: [num_slots, H, D] (K after RoPE); slots, positions: [n] int ->
-    x: [n, 2 * H * D] = [K before RoPE ; V], heads flattened, computed in fp32 and stored as dtype."""
+    x: [n, 2 * H * D] = [K before RoPE ; V], heads flattened, computed in fp32 and stored as dtype.
+    k_scale, v_scale: [num_slots, H] fp32 of an FP8 raw pool (dequantized as read), else None."""
     cos, sin = _cos_sin(cos_sin_cache, positions)
-    k = _rotate(k_cache[slots.long()], cos, sin, -1.0)
-    v = v_cache[slots.long()].float()
+    k = _rotate(dequant(k_cache, k_scale, (slots.long(),)), cos, sin, -1.0)
+    v = dequant(v_cache, v_scale, (slots.long(),))
     return torch.cat([k.flatten(1), v.flatten(1)], dim=-1).to(dtype)
 
 
 @jit
-def _gather_x_kernel(kc_ptr, vc_ptr, slot_ptr, pos_ptr, cache_ptr, out_ptr,
+def _gather_x_kernel(kc_ptr, vc_ptr, slot_ptr, pos_ptr, cache_ptr, out_ptr, ks_ptr, vs_ptr, stride_ss,
                      stride_ks, stride_kh, stride_vs, stride_vh, stride_c, stride_o,
                      H: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
-                     BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+                     BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, SCALED: tl.constexpr = False):
     i = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + i).to(tl.int64)     # int64 before the stride product: big pools
     pos = tl.load(pos_ptr + i).to(tl.int64)
@@ -64,35 +67,45 @@ def _gather_x_kernel(kc_ptr, vc_ptr, slot_ptr, pos_ptr, cache_ptr, out_ptr,
     src = kc_ptr + slot * stride_ks + heads * stride_kh + cols
     k1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
     k2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
+    vsrc = vc_ptr + slot * stride_vs + heads * stride_vh + cols
+    v1 = tl.load(vsrc, mask=mask, other=0.0).to(tl.float32)
+    v2 = tl.load(vsrc + HALF, mask=mask, other=0.0).to(tl.float32)
+    if SCALED:   # an FP8 raw pool: each head's scale
+        ks = tl.load(ks_ptr + slot * stride_ss + heads, mask=heads < H, other=0.0)
+        vs = tl.load(vs_ptr + slot * stride_ss + heads, mask=heads < H, other=0.0)
+        k1, k2, v1, v2 = k1 * ks, k2 * ks, v1 * vs, v2 * vs
     dst = out_ptr + i * stride_o + heads * D + cols
     ty = out_ptr.dtype.element_ty
     tl.store(dst, (k1 * cos + k2 * sin).to(ty), mask=mask)
     tl.store(dst + HALF, (k2 * cos - k1 * sin).to(ty), mask=mask)
-    vsrc = vc_ptr + slot * stride_vs + heads * stride_vh + cols
     vdst = dst + H * D
-    tl.store(vdst, tl.load(vsrc, mask=mask, other=0.0).to(tl.float32).to(ty), mask=mask)
-    tl.store(vdst + HALF, tl.load(vsrc + HALF, mask=mask, other=0.0).to(tl.float32).to(ty), mask=mask)
+    tl.store(vdst, v1.to(ty), mask=mask)
+    tl.store(vdst + HALF, v2.to(ty), mask=mask)
 
 
-def gather_x_triton(k_cache, v_cache, slots, positions, cos_sin_cache, dtype=torch.float32):
+def gather_x_triton(k_cache, v_cache, slots, positions, cos_sin_cache, dtype=torch.float32, k_scale=None,
+                    v_scale=None):
     """Same contract as gather_x_ref; one program per token."""
     n, (_, H, D) = slots.shape[0], k_cache.shape
     assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1 and cos_sin_cache.stride(-1) == 1
     assert positions.shape == (n,) and D % 2 == 0
     slots, positions = slots.contiguous(), positions.contiguous()   # read as ptr + i
     out = torch.empty(n, 2 * H * D, dtype=dtype, device=k_cache.device)
+    scaled = k_scale is not None
+    assert not scaled or (k_scale.stride() == v_scale.stride() and k_scale.stride(1) == 1)
     if n:
         _gather_x_kernel[(n,)](k_cache, v_cache, slots, positions, cos_sin_cache, out,
+                               *((k_scale, v_scale, k_scale.stride(0)) if scaled else (out, out, 0)),
                                k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
                                cos_sin_cache.stride(0), out.stride(0), H=H, D=D, HALF=D // 2,
-                               BLOCK_H=pow2(H), BLOCK_HALF=pow2(D // 2), num_warps=4)
+                               BLOCK_H=pow2(H), BLOCK_HALF=pow2(D // 2), SCALED=scaled, num_warps=4)
     return out
 
 
-def gather_x(k_cache, v_cache, slots, positions, cos_sin_cache, dtype=torch.float32):
+def gather_x(k_cache, v_cache, slots, positions, cos_sin_cache, dtype=torch.float32, k_scale=None, v_scale=None):
     if use_triton(k_cache):
-        return gather_x_triton(k_cache, v_cache, slots, positions, cos_sin_cache, dtype)
-    return gather_x_ref(k_cache, v_cache, slots, positions, cos_sin_cache, dtype)
+        return gather_x_triton(k_cache, v_cache, slots, positions, cos_sin_cache, dtype, k_scale, v_scale)
+    return gather_x_ref(k_cache, v_cache, slots, positions, cos_sin_cache, dtype, k_scale, v_scale)
 
 
 # ---------------------------------------------------------------- compress
@@ -232,7 +245,8 @@ def up_of(up: torch.nn.Module, latents: torch.Tensor, latent_slots: torch.Tensor
 def reconstruct_ref(view_pos: torch.Tensor, lengths: torch.Tensor, rows: torch.Tensor, raw_map: torch.Tensor,
                     k_cache: torch.Tensor, v_cache: torch.Tensor, up_z: torch.Tensor, neighbors: torch.Tensor,
                     latent_slots: torch.Tensor, head: int, cos_sin_cache: torch.Tensor, out_k: torch.Tensor,
-                    out_v: torch.Tensor) -> None:
+                    out_v: torch.Tensor, k_scale: torch.Tensor | None = None,
+                    v_scale: torch.Tensor | None = None) -> None:
     """Fill the scratch slots of a sparse layer's decode view.
 
     view_pos: [B, C] positions (entry j of request b is scratch slot b * C + j); lengths: [B];
@@ -243,7 +257,8 @@ def reconstruct_ref(view_pos: torch.Tensor, lengths: torch.Tensor, rows: torch.T
     selected tokens' rows there (entry j >= head: latent_slots[b, j - head]); out_k, out_v:
     [B * C, H, D]. Raw positions are copied; compressed ones become up(z) + mean of their references
     (rotated back to before RoPE), K rotated to the true position. Entries past lengths[b] are left
-    alone."""
+    alone. k_scale, v_scale: [num_slots, H] fp32 of an FP8 raw pool, else None: raw tokens and
+    references are dequantized as they are read; the scratch is in out_k's dtype."""
     B, C = view_pos.shape
     H, D = k_cache.shape[1:]
     S = up_z.shape[1]
@@ -253,8 +268,8 @@ def reconstruct_ref(view_pos: torch.Tensor, lengths: torch.Tensor, rows: torch.T
     slot = raw_map[rows.long().view(B, 1), pos].long()                                # [B, C]
     dest = torch.arange(B, device=view_pos.device).view(B, 1) * C + j.view(1, C)
     raw = live & (slot >= 0)
-    out_k[dest[raw]] = k_cache[slot[raw]].to(out_k.dtype)
-    out_v[dest[raw]] = v_cache[slot[raw]].to(out_v.dtype)
+    out_k[dest[raw]] = dequant(k_cache, k_scale, (slot[raw],)).to(out_k.dtype)
+    out_v[dest[raw]] = dequant(v_cache, v_scale, (slot[raw],)).to(out_v.dtype)
     # compressed entries: x = up(z) + r, r the mean of the references (RoPE undone), K re-rotated
     bi, ji = torch.nonzero(live & (slot < 0), as_tuple=True)
     si = (ji - head).clamp(0, S - 1)
@@ -262,8 +277,8 @@ def reconstruct_ref(view_pos: torch.Tensor, lengths: torch.Tensor, rows: torch.T
     ok = (refs >= 0).float().unsqueeze(-1)
     ref_slot = raw_map[rows.long()[bi].view(-1, 1), refs.clamp(min=0)].long().clamp(min=0)
     cos, sin = _cos_sin(cos_sin_cache, refs.clamp(min=0))
-    ref_x = torch.cat([_rotate(k_cache[ref_slot], cos, sin, -1.0).flatten(-2),
-                       v_cache[ref_slot].float().flatten(-2)], dim=-1)                 # [n, k, F]
+    ref_x = torch.cat([_rotate(dequant(k_cache, k_scale, (ref_slot,)), cos, sin, -1.0).flatten(-2),
+                       dequant(v_cache, v_scale, (ref_slot,)).flatten(-2)], dim=-1)   # [n, k, F]
     x = up_z[bi, si].float() + (ref_x * ok).sum(1) / ok.sum(1).clamp(min=1)
     cos, sin = _cos_sin(cos_sin_cache, pos[bi, ji])
     out_k[dest[bi, ji]] = _rotate(x[:, :H * D].view(-1, H, D), cos, sin, 1.0).to(out_k.dtype)
@@ -272,12 +287,12 @@ def reconstruct_ref(view_pos: torch.Tensor, lengths: torch.Tensor, rows: torch.T
 
 @jit
 def _reconstruct_kernel(pos_ptr, len_ptr, row_ptr, map_ptr, kc_ptr, vc_ptr, upz_ptr, nbr_ptr, ls_ptr, cache_ptr,
-                        ok_ptr, ov_ptr, head,
+                        ok_ptr, ov_ptr, head, ks_ptr, vs_ptr, stride_ss,
                         stride_pb, stride_mr, stride_ks, stride_kh, stride_vs, stride_vh,
                         stride_ub, stride_us, stride_nb, stride_lb, stride_c, stride_os, stride_oh,
                         C, S, MAXPOS,
                         H: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr, NBR: tl.constexpr,
-                        BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+                        BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, SCALED: tl.constexpr = False):
     b = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1).to(tl.int64)
     if j >= tl.load(len_ptr + b):
@@ -292,11 +307,21 @@ def _reconstruct_kernel(pos_ptr, len_ptr, row_ptr, map_ptr, kc_ptr, vc_ptr, upz_
     dst_v = ov_ptr + (b * C + j) * stride_os + heads * stride_oh + cols
     if slot >= 0:   # raw: sink, a reference, or a recent token
         src = kc_ptr + slot * stride_ks + heads * stride_kh + cols
-        tl.store(dst_k, tl.load(src, mask=mask, other=0.0), mask=mask)
-        tl.store(dst_k + HALF, tl.load(src + HALF, mask=mask, other=0.0), mask=mask)
+        # (names of their own: the other branch's k1.. are fp32, a raw load is the cache's dtype)
+        r1 = tl.load(src, mask=mask, other=0.0)
+        r2 = tl.load(src + HALF, mask=mask, other=0.0)
         src = vc_ptr + slot * stride_vs + heads * stride_vh + cols
-        tl.store(dst_v, tl.load(src, mask=mask, other=0.0), mask=mask)
-        tl.store(dst_v + HALF, tl.load(src + HALF, mask=mask, other=0.0), mask=mask)
+        w1 = tl.load(src, mask=mask, other=0.0)
+        w2 = tl.load(src + HALF, mask=mask, other=0.0)
+        if SCALED:   # an FP8 raw pool: dequantized into the scratch
+            rks = tl.load(ks_ptr + slot * stride_ss + heads, mask=heads < H, other=0.0)
+            rvs = tl.load(vs_ptr + slot * stride_ss + heads, mask=heads < H, other=0.0)
+            r1, r2 = r1.to(tl.float32) * rks, r2.to(tl.float32) * rks
+            w1, w2 = w1.to(tl.float32) * rvs, w2.to(tl.float32) * rvs
+        tl.store(dst_k, r1.to(ok_ptr.dtype.element_ty), mask=mask)
+        tl.store(dst_k + HALF, r2.to(ok_ptr.dtype.element_ty), mask=mask)
+        tl.store(dst_v, w1.to(ov_ptr.dtype.element_ty), mask=mask)
+        tl.store(dst_v + HALF, w2.to(ov_ptr.dtype.element_ty), mask=mask)
     else:
         s = tl.minimum(tl.maximum(j - head, 0), S - 1)
         ls = tl.load(ls_ptr + b * stride_lb + s).to(tl.int64)   # the token's row in the latent store
@@ -315,11 +340,17 @@ def _reconstruct_kernel(pos_ptr, len_ptr, row_ptr, map_ptr, kc_ptr, vc_ptr, upz_
                 src = kc_ptr + rs * stride_ks + heads * stride_kh + cols
                 a1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
                 a2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
+                src = vc_ptr + rs * stride_vs + heads * stride_vh + cols
+                b1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+                b2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
+                if SCALED:
+                    ks = tl.load(ks_ptr + rs * stride_ss + heads, mask=heads < H, other=0.0)
+                    vs = tl.load(vs_ptr + rs * stride_ss + heads, mask=heads < H, other=0.0)
+                    a1, a2, b1, b2 = a1 * ks, a2 * ks, b1 * vs, b2 * vs
                 k1 += a1 * rc + a2 * rn            # RoPE undone at the reference's own position
                 k2 += a2 * rc - a1 * rn
-                src = vc_ptr + rs * stride_vs + heads * stride_vh + cols
-                v1 += tl.load(src, mask=mask, other=0.0).to(tl.float32)
-                v2 += tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
+                v1 += b1
+                v2 += b2
                 count += 1.0
         inv = 1.0 / tl.maximum(count, 1.0)
         up = upz_ptr + b * stride_ub + s * stride_us + heads * D + cols
@@ -336,7 +367,7 @@ def _reconstruct_kernel(pos_ptr, len_ptr, row_ptr, map_ptr, kc_ptr, vc_ptr, upz_
 
 
 def reconstruct_triton(view_pos, lengths, rows, raw_map, k_cache, v_cache, up_z, neighbors, latent_slots, head,
-                       cos_sin_cache, out_k, out_v) -> None:
+                       cos_sin_cache, out_k, out_v, k_scale=None, v_scale=None) -> None:
     """Same contract as reconstruct_ref; one program per (request, view entry), those past the
     request's length exit at once."""
     B, C = view_pos.shape
@@ -346,18 +377,21 @@ def reconstruct_triton(view_pos, lengths, rows, raw_map, k_cache, v_cache, up_z,
         assert t.stride(-1) == 1
     assert out_k.stride() == out_v.stride() and up_z.shape[-1] == 2 * H * D and latent_slots.shape == (B, S)
     lengths, rows = lengths.contiguous(), rows.contiguous()   # read as ptr + b
+    scaled = k_scale is not None
+    assert not scaled or (k_scale.stride() == v_scale.stride() and k_scale.stride(1) == 1)
     if B and C:
         _reconstruct_kernel[(B, C)](
             view_pos, lengths, rows, raw_map, k_cache, v_cache, up_z, neighbors, latent_slots, cos_sin_cache,
-            out_k, out_v, head, view_pos.stride(0), raw_map.stride(0), k_cache.stride(0), k_cache.stride(1),
+            out_k, out_v, head, *((k_scale, v_scale, k_scale.stride(0)) if scaled else (out_k, out_v, 0)),
+            view_pos.stride(0), raw_map.stride(0), k_cache.stride(0), k_cache.stride(1),
             v_cache.stride(0), v_cache.stride(1), up_z.stride(0), up_z.stride(1), neighbors.stride(0),
             latent_slots.stride(0), cos_sin_cache.stride(0), out_k.stride(0), out_k.stride(1), C, S,
             min(raw_map.shape[1], cos_sin_cache.shape[0]),
-            H=H, D=D, HALF=D // 2, NBR=NBR, BLOCK_H=pow2(H), BLOCK_HALF=pow2(D // 2), num_warps=4)
+            H=H, D=D, HALF=D // 2, NBR=NBR, BLOCK_H=pow2(H), BLOCK_HALF=pow2(D // 2), SCALED=scaled, num_warps=4)
 
 
 def reconstruct(view_pos, lengths, rows, raw_map, k_cache, v_cache, up_z, neighbors, latent_slots, head, cos_sin_cache,
-                out_k, out_v):
+                out_k, out_v, k_scale=None, v_scale=None):
     impl = reconstruct_triton if use_triton(k_cache) else reconstruct_ref
     return impl(view_pos, lengths, rows, raw_map, k_cache, v_cache, up_z, neighbors, latent_slots, head, cos_sin_cache,
-                out_k, out_v)
+                out_k, out_v, k_scale, v_scale)

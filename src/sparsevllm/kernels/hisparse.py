@@ -15,10 +15,14 @@ and updates the buffer's keys and clocks in place. The current page lives in its
 
 copy_pages: for every planned miss, one page of K and V from the host pool into the device pool;
 the GPU reads pinned host memory directly (~48 GB/s for scattered rows on the H200, inside a graph).
+
+FP8 (engine/kv_pool.py): host_store quantizes as rope_store does (a scale per token and KV head,
+from the same k and v, so the host copy equals the device's), and copy_pages moves the scales as a
+second, tiny cache ([slots, H, 1]).
 """
 import torch
 
-from sparsevllm.kernels.common import jit, pow2, tl, use_triton
+from sparsevllm.kernels.common import jit, pow2, quantize_ref, tl, use_triton
 
 SWAP_CHUNK = 16   # wanted pages matched at once: a [16, E] tile (E ~ 256-512 entries) stays in registers
 
@@ -26,10 +30,17 @@ SWAP_CHUNK = 16   # wanted pages matched at once: a [16, E] tile (E ~ 256-512 en
 
 
 def host_store_ref(k: torch.Tensor, v: torch.Tensor, host_k: torch.Tensor, host_v: torch.Tensor,
-                   host_slots: torch.Tensor) -> None:
-    """k, v: [T, H, D]; host_k, host_v: [num_slots, H, D]; host_slots: [T] int, -1 = skip."""
+                   host_slots: torch.Tensor, host_ks: torch.Tensor | None = None,
+                   host_vs: torch.Tensor | None = None) -> None:
+    """k, v: [T, H, D]; host_k, host_v: [num_slots, H, D]; host_slots: [T] int, -1 = skip; host_ks,
+    host_vs: [num_slots, H] fp32 scales of an FP8 host pool (k, v are then quantized), else None."""
     keep = host_slots >= 0
     idx = host_slots[keep].long().to(host_k.device)
+    if host_ks is not None:
+        for x, dst, dst_scale in ((k, host_k, host_ks), (v, host_v, host_vs)):
+            xq, scale = quantize_ref(x[keep])
+            dst[idx], dst_scale[idx] = xq.to(dst.device), scale.to(dst.device)
+        return
     host_k[idx] = k[keep].to(host_k.device, host_k.dtype)
     host_v[idx] = v[keep].to(host_v.device, host_v.dtype)
 
@@ -50,23 +61,57 @@ def _host_store_kernel(k_ptr, v_ptr, hk_ptr, hv_ptr, slot_ptr, stride_kt, stride
     tl.store(hv_ptr + slot * (H * D) + offs, vv.to(hv_ptr.dtype.element_ty), mask=ok)
 
 
-def host_store_triton(k, v, host_k, host_v, host_slots) -> None:
+@jit
+def _quantize_token(x_ptrs, dst_ptrs, scale_ptrs, mask, head_ok):
+    """One token's heads [H, D] -> x / scale in fp8 and the scale per head (common.quantize_ref)."""
+    x = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
+    amax = tl.max(tl.where(mask, tl.abs(x), 0.0), 1)
+    scale = tl.where(amax > 0, amax / 448.0, 1.0)   # common.FP8_MAX (a jit function reads no globals)
+    tl.store(dst_ptrs, (x / scale[:, None]).to(dst_ptrs.dtype.element_ty), mask=mask)
+    tl.store(scale_ptrs, scale, mask=head_ok)
+
+
+@jit
+def _host_store_fp8_kernel(k_ptr, v_ptr, hk_ptr, hv_ptr, hks_ptr, hvs_ptr, slot_ptr, stride_kt, stride_kh,
+                           stride_vt, stride_vh, H: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr,
+                           BLOCK_D: tl.constexpr):
+    t = tl.program_id(0)
+    slot = tl.load(slot_ptr + t).to(tl.int64)   # int64: slot * H * D overflows int32 on big pools
+    if slot < 0:
+        return
+    hs = tl.arange(0, BLOCK_H)
+    ds = tl.arange(0, BLOCK_D)
+    head_ok = hs < H
+    mask = head_ok[:, None] & (ds < D)[None, :]
+    dst = slot * (H * D) + hs[:, None] * D + ds[None, :]
+    _quantize_token(k_ptr + t * stride_kt + hs[:, None] * stride_kh + ds[None, :], hk_ptr + dst,
+                    hks_ptr + slot * H + hs, mask, head_ok)
+    _quantize_token(v_ptr + t * stride_vt + hs[:, None] * stride_vh + ds[None, :], hv_ptr + dst,
+                    hvs_ptr + slot * H + hs, mask, head_ok)
+
+
+def host_store_triton(k, v, host_k, host_v, host_slots, host_ks=None, host_vs=None) -> None:
     T, H, D = k.shape
     assert v.shape == k.shape and k.stride(-1) == 1 and v.stride(-1) == 1
     assert host_k.is_contiguous() and host_v.is_contiguous() and host_k.shape[1:] == (H, D)
     if T == 0:
         return
     host_slots = host_slots.contiguous()   # read as ptr + t
+    if host_ks is not None:
+        assert host_ks.is_contiguous() and host_vs.is_contiguous() and host_ks.shape == host_k.shape[:2]
+        _host_store_fp8_kernel[(T,)](k, v, host_k, host_v, host_ks, host_vs, host_slots, k.stride(0), k.stride(1),
+                                     v.stride(0), v.stride(1), H=H, D=D, BLOCK_H=pow2(H), BLOCK_D=pow2(D))
+        return
     block = min(1024, pow2(H * D))
     _host_store_kernel[(T, -(-H * D // block))](k, v, host_k, host_v, host_slots, k.stride(0), k.stride(1),
                                                  v.stride(0), v.stride(1), H=H, D=D, BLOCK=block)
 
 
-def host_store(k, v, host_k, host_v, host_slots):
+def host_store(k, v, host_k, host_v, host_slots, host_ks=None, host_vs=None):
     if use_triton(k):
-        host_store_triton(k, v, host_k, host_v, host_slots)
+        host_store_triton(k, v, host_k, host_v, host_slots, host_ks, host_vs)
     else:
-        host_store_ref(k, v, host_k, host_v, host_slots)
+        host_store_ref(k, v, host_k, host_v, host_slots, host_ks, host_vs)
 
 
 # ---------------------------------------------------------------- swap plan (hits + LRU eviction)

@@ -13,6 +13,7 @@ selection of these scores is kernels/token_select.py's select_tokens.
 import torch
 
 from sparsevllm.kernels.common import dot_precision, jit, pow2, tl, upcast_loads, use_triton
+from sparsevllm.kernels.decode_attention import dequant
 from sparsevllm.kernels.token_select import key_slots
 
 SELECTORS = ("last", "softmax_max")
@@ -21,15 +22,16 @@ BLOCK_T = 64        # tokens per scoring program
 
 def omnikv_scores_ref(q: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Tensor,
                       cache_lens: torch.Tensor, prompt_lens: torch.Tensor, page_size: int, scale: float,
-                      selector: str) -> torch.Tensor:
+                      selector: str, k_scale: torch.Tensor | None = None) -> torch.Tensor:
     """q: [B, H_q, D] (after RoPE); k_cache: [num_slots, H_kv, D]; block_tables: [B, N] int32;
-    cache_lens, prompt_lens: [B] int -> fp32 [B, N * P], -inf at positions >= prompt_lens[b]."""
+    cache_lens, prompt_lens: [B] int -> fp32 [B, N * P], -inf at positions >= prompt_lens[b].
+    k_scale: [num_slots, H_kv] fp32 of an FP8 cache (the keys are k_cache * k_scale), else None."""
     B, Hq, D = q.shape
     Hkv = k_cache.shape[1]
     slots = key_slots(block_tables, page_size)                                     # [B, T]
     T = slots.shape[1]
     pos = torch.arange(T, device=q.device)
-    keys = k_cache[slots].float().repeat_interleave(Hq // Hkv, dim=2)              # [B, T, H_q, D]
+    keys = dequant(k_cache, k_scale, (slots,)).repeat_interleave(Hq // Hkv, dim=2)  # [B, T, H_q, D]
     logits = torch.einsum("bhd,bthd->bht", q.float(), keys) * scale                # [B, H_q, T]
     candidate = pos.view(1, 1, T) < torch.minimum(prompt_lens, cache_lens).long().view(B, 1, 1)
     if selector == "softmax_max":   # each head's softmax over the prompt's keys only
@@ -38,12 +40,12 @@ def omnikv_scores_ref(q: torch.Tensor, k_cache: torch.Tensor, block_tables: torc
 
 
 @jit
-def _scores_kernel(q_ptr, k_ptr, table_ptr, len_ptr, plen_ptr, lse_ptr, out_ptr, stat_ptr, qk_scale,
+def _scores_kernel(q_ptr, k_ptr, table_ptr, len_ptr, plen_ptr, lse_ptr, out_ptr, stat_ptr, qk_scale, ks_ptr, stride_ss,
                    stride_qb, stride_qh, stride_ks, stride_kh, stride_tb, stride_ob,
                    stride_sb, stride_sh, stride_sblk,
                    HKV: tl.constexpr, QG: tl.constexpr, P: tl.constexpr, HEAD_DIM: tl.constexpr,
                    BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr, MODE: tl.constexpr,
-                   UPCAST: tl.constexpr, DOT_PREC: tl.constexpr):
+                   UPCAST: tl.constexpr, DOT_PREC: tl.constexpr, SCALED: tl.constexpr = False):
     # MODE 0: raw logits, max over heads ("last"). MODE 1: per-head (max, sum of exp) of this block
     # of prompt keys (softmax_max, first pass). MODE 2: max over heads of exp(logit - lse).
     # Logits are kept in the log2 domain (qk_scale includes log2 e); MODE 0 converts back.
@@ -78,8 +80,10 @@ def _scores_kernel(q_ptr, k_ptr, table_ptr, len_ptr, plen_ptr, lse_ptr, out_ptr,
                     mask=tok_ok[:, None] & dim_ok[None, :], other=0.0)
         if UPCAST:
             q = q.to(tl.float32)
-            k = k.to(tl.float32)
+        k = k.to(q.dtype)   # widened in registers (an FP8 cache: to q's dtype)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale        # [BLOCK_H, BLOCK_T]
+        if SCALED:   # FP8: a key's scale multiplies its logit column
+            s = s * tl.load(ks_ptr + slot * stride_ss + kvh, mask=tok_ok, other=0.0)[None, :]
         s = tl.where(row_ok[:, None] & tok_ok[None, :], s, float("-inf"))
         if MODE == 1:
             m = tl.max(s, 1)
@@ -101,7 +105,7 @@ def _scores_kernel(q_ptr, k_ptr, table_ptr, len_ptr, plen_ptr, lse_ptr, out_ptr,
 
 def omnikv_scores_triton(q: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Tensor,
                          cache_lens: torch.Tensor, prompt_lens: torch.Tensor, page_size: int, scale: float,
-                         selector: str) -> torch.Tensor:
+                         selector: str, k_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Same contract as omnikv_scores_ref; one program per (request, block of BLOCK_T positions).
     Programs past the prompt write -inf and exit, so the work follows the prompt, not the table."""
     B, Hq, D = q.shape
@@ -115,7 +119,10 @@ def omnikv_scores_triton(q: torch.Tensor, k_cache: torch.Tensor, block_tables: t
     out = torch.empty(B, nblk * BLOCK_T, dtype=torch.float32, device=q.device)
     QG = Hq // Hkv
     common = dict(HKV=Hkv, QG=QG, P=P, HEAD_DIM=D, BLOCK_D=pow2(D), BLOCK_H=max(16, pow2(QG)),
-                  BLOCK_T=BLOCK_T, UPCAST=upcast_loads(q.dtype), DOT_PREC=dot_precision(q.dtype), num_warps=4)
+                  BLOCK_T=BLOCK_T, UPCAST=upcast_loads(q.dtype), DOT_PREC=dot_precision(q.dtype),
+                  SCALED=k_scale is not None, num_warps=4)
+    assert k_scale is None or (k_scale.shape == k_cache.shape[:2] and k_scale.stride(1) == 1)
+    scales = (k_scale, k_scale.stride(0)) if k_scale is not None else (q, 0)
     args = (q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), block_tables.stride(0), out.stride(0))
     qk_scale = scale * 1.4426950408889634
     lse = out   # unused unless softmax_max
@@ -123,18 +130,19 @@ def omnikv_scores_triton(q: torch.Tensor, k_cache: torch.Tensor, block_tables: t
     if selector == "softmax_max":
         stats = torch.empty(B, Hq, nblk, 2, dtype=torch.float32, device=q.device)
         _scores_kernel[(B, nblk)](q, k_cache, block_tables, cache_lens, prompt_lens, out, out, stats, qk_scale,
-                                  *args, stats.stride(0), stats.stride(1), stats.stride(2), MODE=1, **common)
+                                  *scales, *args, stats.stride(0), stats.stride(1), stats.stride(2), MODE=1, **common)
         # Blocks past a request's prompt wrote (-inf, 0); merge the rest into one log2-sum-exp per head.
         m, l = stats[..., 0], stats[..., 1]
         top = m.amax(dim=-1, keepdim=True)
         top = torch.where(torch.isinf(top), torch.zeros_like(top), top)
         lse = (top.squeeze(-1) + torch.log2((l * torch.exp2(m - top)).nan_to_num(0.0).sum(-1))).contiguous()
     _scores_kernel[(B, nblk)](q, k_cache, block_tables, cache_lens, prompt_lens, lse, out, stats, qk_scale,
-                              *args, 0, 0, 0, MODE=2 if selector == "softmax_max" else 0, **common)
+                              *scales, *args, 0, 0, 0, MODE=2 if selector == "softmax_max" else 0, **common)
     return out[:, :T]
 
 
-def omnikv_scores(q, k_cache, block_tables, cache_lens, prompt_lens, page_size, scale, selector):
+def omnikv_scores(q, k_cache, block_tables, cache_lens, prompt_lens, page_size, scale, selector, k_scale=None):
     if use_triton(q):
-        return omnikv_scores_triton(q, k_cache, block_tables, cache_lens, prompt_lens, page_size, scale, selector)
-    return omnikv_scores_ref(q, k_cache, block_tables, cache_lens, prompt_lens, page_size, scale, selector)
+        return omnikv_scores_triton(q, k_cache, block_tables, cache_lens, prompt_lens, page_size, scale, selector,
+                                    k_scale)
+    return omnikv_scores_ref(q, k_cache, block_tables, cache_lens, prompt_lens, page_size, scale, selector, k_scale)

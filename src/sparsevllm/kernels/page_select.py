@@ -46,9 +46,10 @@ PACKED_MAX_PAGES = 1 << 15   # below this, select_pages packs two per-page count
 # ---------------------------------------------------------------- page bounds
 
 def page_bounds_ref(k_cache: torch.Tensor, last_slots: torch.Tensor, kmin: torch.Tensor,
-                    kmax: torch.Tensor, page_size: int) -> None:
+                    kmax: torch.Tensor, page_size: int, k_scale: torch.Tensor | None = None) -> None:
     """k_cache: [num_slots, H_kv, D]; last_slots: [M] int, -1 = nothing; kmin, kmax: [num_pages, H_kv, D]
-    written in place for the page of every last slot."""
+    written in place for the page of every last slot. k_scale: [num_slots, H_kv] of an FP8 cache
+    (the bounds are then those of the dequantized keys, the ones attention reads), else None."""
     P = page_size
     last = last_slots[last_slots >= 0].long()
     if last.numel() == 0:
@@ -56,16 +57,17 @@ def page_bounds_ref(k_cache: torch.Tensor, last_slots: torch.Tensor, kmin: torch
     pages = last // P
     count = last % P + 1
     offs = torch.arange(P, device=k_cache.device)
-    keys = k_cache[pages.unsqueeze(1) * P + offs]                    # [M, P, H, D]
+    slots = pages.unsqueeze(1) * P + offs
+    keys = k_cache[slots] if k_scale is None else k_cache[slots].float() * k_scale[slots].unsqueeze(-1)   # [M, P, H, D]
     valid = (offs.unsqueeze(0) < count.unsqueeze(1)).view(-1, P, 1, 1)
     kmin[pages] = keys.masked_fill(~valid, float("inf")).amin(1).to(kmin.dtype)
     kmax[pages] = keys.masked_fill(~valid, float("-inf")).amax(1).to(kmax.dtype)
 
 
 @jit
-def _page_bounds_kernel(k_ptr, slot_ptr, kmin_ptr, kmax_ptr,
+def _page_bounds_kernel(k_ptr, slot_ptr, kmin_ptr, kmax_ptr, ks_ptr, stride_ss,
                         stride_ks, stride_kh, stride_ms, stride_mh, stride_xs, stride_xh,
-                        P: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+                        P: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, SCALED: tl.constexpr = False):
     i = tl.program_id(0)
     h = tl.program_id(1).to(tl.int64)
     last = tl.load(slot_ptr + i).to(tl.int64)   # int64: slot * stride overflows int32 on big pools
@@ -79,6 +81,8 @@ def _page_bounds_kernel(k_ptr, slot_ptr, kmin_ptr, kmax_ptr,
     mask = (toks < count)[:, None] & dim_ok[None, :]
     k = tl.load(k_ptr + (page * P + toks)[:, None] * stride_ks + h * stride_kh + dims[None, :],
                 mask=mask, other=0.0)
+    if SCALED:   # FP8: the dequantized keys
+        k = k.to(tl.float32) * tl.load(ks_ptr + (page * P + toks) * stride_ss + h, mask=toks < count, other=0.0)[:, None]
     lo = tl.min(tl.where(mask, k, float("inf")), 0)
     hi = tl.max(tl.where(mask, k, float("-inf")), 0)
     tl.store(kmin_ptr + page * stride_ms + h * stride_mh + dims, lo.to(kmin_ptr.dtype.element_ty), mask=dim_ok)
@@ -86,7 +90,7 @@ def _page_bounds_kernel(k_ptr, slot_ptr, kmin_ptr, kmax_ptr,
 
 
 def page_bounds_triton(k_cache: torch.Tensor, last_slots: torch.Tensor, kmin: torch.Tensor,
-                       kmax: torch.Tensor, page_size: int) -> None:
+                       kmax: torch.Tensor, page_size: int, k_scale: torch.Tensor | None = None) -> None:
     """Same contract as page_bounds_ref; one program per (touched page, KV head)."""
     M = last_slots.shape[0]
     H, D = k_cache.shape[1], k_cache.shape[2]
@@ -95,17 +99,20 @@ def page_bounds_triton(k_cache: torch.Tensor, last_slots: torch.Tensor, kmin: to
     assert k_cache.stride(-1) == 1 and kmin.stride(-1) == 1 and kmax.stride(-1) == 1
     if M == 0:
         return
+    scaled = k_scale is not None
+    assert not scaled or (k_scale.shape == k_cache.shape[:2] and k_scale.stride(1) == 1)
     _page_bounds_kernel[(M, H)](
-        k_cache, last_slots, kmin, kmax, k_cache.stride(0), k_cache.stride(1),
+        k_cache, last_slots, kmin, kmax, k_scale if scaled else kmin, k_scale.stride(0) if scaled else 0,
+        k_cache.stride(0), k_cache.stride(1),
         kmin.stride(0), kmin.stride(1), kmax.stride(0), kmax.stride(1),
-        P=int(page_size), HEAD_DIM=D, BLOCK_D=pow2(D), num_warps=4)
+        P=int(page_size), HEAD_DIM=D, BLOCK_D=pow2(D), SCALED=scaled, num_warps=4)
 
 
-def page_bounds(k_cache, last_slots, kmin, kmax, page_size):
+def page_bounds(k_cache, last_slots, kmin, kmax, page_size, k_scale=None):
     if use_triton(k_cache):
-        page_bounds_triton(k_cache, last_slots, kmin, kmax, page_size)
+        page_bounds_triton(k_cache, last_slots, kmin, kmax, page_size, k_scale)
     else:
-        page_bounds_ref(k_cache, last_slots, kmin, kmax, page_size)
+        page_bounds_ref(k_cache, last_slots, kmin, kmax, page_size, k_scale)
 
 
 # ---------------------------------------------------------------- bound scores

@@ -10,6 +10,10 @@ prefix need no table: each sequence goes to torch's scaled_dot_product_attention
 cuDNN's kernel on the H200: 634 TFLOP/s for one 32K causal sequence, where varlen_attn and SDPA's
 flash kernel reach 347; scripts/benchmarks/profile_prefill.py), else to varlen_attn
 (FlashAttention-2 inside PyTorch) or flash_attn.flash_attn_varlen_func, else the reference.
+
+An FP8 cache passes k_scale / v_scale ([num_slots, H_kv] fp32, see decode_attention): the paged
+kernel dequantizes each gathered tile in registers. A chunk with no prefix attends over its own
+k, v as computed (not yet rounded to FP8), as vLLM's FP8 cache does.
 """
 import functools
 import inspect
@@ -19,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from sparsevllm.kernels.common import dot_precision, jit, pow2, tl, upcast_loads, use_triton
+from sparsevllm.kernels.decode_attention import dequant
 
 logger = logging.getLogger(__name__)
 
@@ -48,8 +53,10 @@ NUM_STAGES = 2
 
 def prefill_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                           block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                          cache_lens: torch.Tensor, page_size: int, scale: float) -> torch.Tensor:
-    """q: [T, H_q, D]; block_tables: [B, N] int32; cu_seqlens_q: [B+1]; cache_lens: [B]."""
+                          cache_lens: torch.Tensor, page_size: int, scale: float,
+                          k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """q: [T, H_q, D]; block_tables: [B, N] int32; cu_seqlens_q: [B+1]; cache_lens: [B];
+    k_scale, v_scale: [num_slots, H_kv] fp32 of an FP8 cache, or None."""
     out = torch.empty_like(q)
     Hq, Hkv = q.shape[1], k_cache.shape[1]
     starts, lens = cu_seqlens_q.tolist(), cache_lens.tolist()
@@ -58,8 +65,8 @@ def prefill_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         n = e - s
         pos = torch.arange(L, device=q.device)
         slots = block_tables[i, pos // page_size].long() * page_size + pos % page_size
-        k = k_cache[slots].transpose(0, 1)                          # [H_kv, L, D]
-        v = v_cache[slots].transpose(0, 1)
+        k = dequant(k_cache, k_scale, (slots,)).transpose(0, 1)     # [H_kv, L, D]
+        v = dequant(v_cache, v_scale, (slots,)).transpose(0, 1)
         if Hkv != Hq:
             k = k.repeat_interleave(Hq // Hkv, dim=0)
             v = v.repeat_interleave(Hq // Hkv, dim=0)
@@ -92,11 +99,12 @@ def varlen_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 @jit
 def _prefill_paged_kernel(
-        q_ptr, k_ptr, v_ptr, out_ptr, bt_ptr, cu_ptr, ctx_ptr, qk_scale,
+        q_ptr, k_ptr, v_ptr, out_ptr, bt_ptr, cu_ptr, ctx_ptr, qk_scale, ks_ptr, vs_ptr, stride_ss,
         stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_ot, stride_oh,
         stride_btb,
         QG: tl.constexpr, P: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr):
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr,
+        SCALED: tl.constexpr = False):
     m_block = tl.program_id(0)
     b = tl.program_id(1)
     h = tl.program_id(2)
@@ -134,10 +142,15 @@ def _prefill_paged_kernel(
                     mask=kv_mask, other=0.0)
         v = tl.load(v_ptr + slot[:, None] * stride_vs + kvh * stride_vh + dims[None, :],
                     mask=kv_mask, other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
+        k = k.to(q.dtype)   # widened in registers (UPCAST: fp32; an FP8 cache: q's dtype)
+        if SCALED:   # FP8: a key's scale multiplies its logit column, a value's scale its row
+            s_off = slot * stride_ss + kvh
+            v = (v.to(tl.float32) * tl.load(vs_ptr + s_off, mask=key_ok, other=0.0)[:, None]).to(q.dtype)
+        else:
+            v = v.to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale   # log2 domain
+        if SCALED:
+            s = s * tl.load(ks_ptr + s_off, mask=key_ok, other=0.0)[None, :]
         s = tl.where(key_ok[None, :] & (kpos[None, :] <= qpos[:, None]), s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
@@ -153,7 +166,8 @@ def _prefill_paged_kernel(
 def prefill_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                              block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
                              cache_lens: torch.Tensor, page_size: int, scale: float,
-                             max_seqlen_q: int | None = None) -> torch.Tensor:
+                             max_seqlen_q: int | None = None, k_scale: torch.Tensor | None = None,
+                             v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Same contract as prefill_attention_ref. max_seqlen_q (host int) sizes the grid; without it
     the grid covers the whole packed batch and idle programs exit at once."""
     T, Hq, D = q.shape
@@ -161,17 +175,22 @@ def prefill_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
     B = cache_lens.shape[0]
     assert Hq % Hkv == 0 and q.stride(-1) == 1 and k_cache.stride(-1) == 1
     assert v_cache.stride(-1) == 1 and block_tables.stride(-1) == 1
+    scaled = k_scale is not None
+    if scaled:
+        assert v_scale is not None and k_scale.shape == v_scale.shape == k_cache.shape[:2]
+        assert k_scale.stride() == v_scale.stride() and k_scale.stride(1) == 1
     out = torch.empty_like(q)
     cu_seqlens_q, cache_lens = cu_seqlens_q.contiguous(), cache_lens.contiguous()   # read as ptr + b
     rows = T if max_seqlen_q is None else max_seqlen_q
     grid = (-(-rows // BLOCK_M), B, Hq)
     _prefill_paged_kernel[grid](
         q, k_cache, v_cache, out, block_tables, cu_seqlens_q, cache_lens,
-        scale * 1.4426950408889634,
+        scale * 1.4426950408889634, k_scale if scaled else out, v_scale if scaled else out,
+        k_scale.stride(0) if scaled else 0,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         v_cache.stride(0), v_cache.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         QG=Hq // Hkv, P=int(page_size), HEAD_DIM=D, BLOCK_D=pow2(D), BLOCK_M=BLOCK_M,
-        BLOCK_N=BLOCK_N, UPCAST=upcast_loads(q.dtype), DOT_PREC=dot_precision(q.dtype),
+        BLOCK_N=BLOCK_N, UPCAST=upcast_loads(q.dtype), DOT_PREC=dot_precision(q.dtype), SCALED=scaled,
         num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     return out
 
@@ -247,13 +266,13 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
 
 def prefill_attention(q, k, v, k_cache, v_cache, block_tables, cu_seqlens_q, cache_lens,
                       max_seqlen_q: int, has_prefix: bool, page_size: int, scale: float,
-                      seq_lens: list[int] | None = None):
+                      seq_lens: list[int] | None = None, k_scale=None, v_scale=None):
     """Dispatcher. has_prefix is a host bool (no device sync): False when every chunk starts at 0,
     so the chunk's own k, v are all the keys; seq_lens (host) are the chunk lengths."""
     if not has_prefix:
         return varlen_attention(q, k, v, cu_seqlens_q, max_seqlen_q, scale, seq_lens)
     if use_triton(q):
         return prefill_attention_triton(q, k_cache, v_cache, block_tables, cu_seqlens_q,
-                                        cache_lens, page_size, scale, max_seqlen_q)
+                                        cache_lens, page_size, scale, max_seqlen_q, k_scale, v_scale)
     return prefill_attention_ref(q, k_cache, v_cache, block_tables, cu_seqlens_q, cache_lens,
-                                 page_size, scale)
+                                 page_size, scale, k_scale, v_scale)

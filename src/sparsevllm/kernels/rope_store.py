@@ -10,19 +10,26 @@ Optionally (kmin/kmax given) the write also keeps the per-page key bounds that p
 the page's first slot. This is exact only when no two tokens of the step write the same page, which
 holds in decode (one token per request, requests never share a page they write); prefill chunks
 recompute their pages instead.
+
+An FP8 cache (k_scale / v_scale given, [num_slots, H_kv] fp32) stores each token's K (after RoPE)
+and V of each KV head as x / scale in float8_e4m3fn with scale = amax(|x|) / 448 over its D
+channels, and the scale beside it (common.quantize_ref). The page bounds then fold the dequantized
+key, the one attention reads.
 """
 import torch
 
-from sparsevllm.kernels.common import jit, pow2, tl, use_triton
+from sparsevllm.kernels.common import jit, pow2, quantize_ref, tl, use_triton
 
 
 def rope_store_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                    cos_sin_cache: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                    slot_mapping: torch.Tensor, kmin: torch.Tensor | None = None,
-                   kmax: torch.Tensor | None = None, page_size: int = 1):
+                   kmax: torch.Tensor | None = None, page_size: int = 1,
+                   k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None):
     """q: [T, H_q, D], k, v: [T, H_kv, D] (before RoPE); positions, slot_mapping: [T] int;
     cos_sin_cache: [max_pos, D] fp32 (first D/2 columns cos, last D/2 sin); k_cache, v_cache:
-    [num_slots, H_kv, D]; kmin, kmax: [num_pages, H_kv, D] or None. Returns (q, k) after RoPE."""
+    [num_slots, H_kv, D]; kmin, kmax: [num_pages, H_kv, D] or None; k_scale, v_scale: [num_slots,
+    H_kv] fp32 for an FP8 cache, else None. Returns (q, k) after RoPE."""
     cos, sin = cos_sin_cache[positions.long()].unsqueeze(1).chunk(2, dim=-1)
 
     def rotate(x):
@@ -32,13 +39,19 @@ def rope_store_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions:
     q, k = rotate(q), rotate(k)
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
-    new_k = k[keep].to(k_cache.dtype)
-    k_cache[slots] = new_k
-    v_cache[slots] = v[keep].to(v_cache.dtype)
+    if k_scale is not None:
+        k_cache[slots], k_scale[slots] = quantize_ref(k[keep])
+        v_cache[slots], v_scale[slots] = quantize_ref(v[keep])
+        new_k = k_cache[slots].float() * k_scale[slots].unsqueeze(-1)
+    else:
+        new_k = k[keep].to(k_cache.dtype)
+        k_cache[slots] = new_k
+        v_cache[slots] = v[keep].to(v_cache.dtype)
     if kmin is not None:
         pages, first = slots // page_size, (slots % page_size == 0).view(-1, 1, 1)
-        kmin[pages] = torch.where(first, new_k, torch.minimum(kmin[pages], new_k)).to(kmin.dtype)
-        kmax[pages] = torch.where(first, new_k, torch.maximum(kmax[pages], new_k)).to(kmax.dtype)
+        new_k = new_k.to(kmin.dtype)
+        kmin[pages] = torch.where(first, new_k, torch.minimum(kmin[pages], new_k))
+        kmax[pages] = torch.where(first, new_k, torch.maximum(kmax[pages], new_k))
     return q, k
 
 
@@ -69,14 +82,23 @@ def fold_bounds(mn, mx, k, first, mask):
 
 
 @jit
+def quantize_halves(lo, hi, mask):
+    """A token's heads as two [heads, D/2] fp32 halves -> (lo / scale, hi / scale, scale [heads]):
+    the FP8 cache's scale per head (common.quantize_ref)."""
+    amax = tl.maximum(tl.max(tl.where(mask, tl.abs(lo), 0.0), 1), tl.max(tl.where(mask, tl.abs(hi), 0.0), 1))
+    scale = tl.where(amax > 0, amax / 448.0, 1.0)   # common.FP8_MAX (a jit function reads no globals)
+    return lo / scale[:, None], hi / scale[:, None], scale
+
+
+@jit
 def _rope_store_kernel(q_ptr, k_ptr, v_ptr, qo_ptr, ko_ptr, pos_ptr, cache_ptr, slot_ptr,
-                       kc_ptr, vc_ptr, kmin_ptr, kmax_ptr,
+                       kc_ptr, vc_ptr, kmin_ptr, kmax_ptr, ks_ptr, vs_ptr, stride_ss,
                        stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                        stride_qot, stride_qoh, stride_kot, stride_koh, stride_c,
                        stride_kcs, stride_kch, stride_vcs, stride_vch, stride_mp, stride_mh,
                        HQ: tl.constexpr, HK: tl.constexpr, HALF: tl.constexpr, P: tl.constexpr,
                        BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr,
-                       BOUNDS: tl.constexpr):
+                       BOUNDS: tl.constexpr, SCALED: tl.constexpr = False):
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
     cols = tl.arange(0, BLOCK_HALF)[None, :]
@@ -96,20 +118,37 @@ def _rope_store_kernel(q_ptr, k_ptr, v_ptr, qo_ptr, ko_ptr, pos_ptr, cache_ptr, 
 
     slot = tl.load(slot_ptr + t).to(tl.int64)   # int64: slot * stride overflows int32 on big pools
     if slot >= 0:
-        k_lo = lo.to(kc_ptr.dtype.element_ty)
-        k_hi = hi.to(kc_ptr.dtype.element_ty)
-        dst = kc_ptr + slot * stride_kcs + heads * stride_kch + cols
-        tl.store(dst, k_lo, mask=mask)
-        tl.store(dst + HALF, k_hi, mask=mask)
+        kdst = kc_ptr + slot * stride_kcs + heads * stride_kch + cols
         vsrc = v_ptr + t * stride_vt + heads * stride_vh + cols
         vdst = vc_ptr + slot * stride_vcs + heads * stride_vch + cols
-        tl.store(vdst, tl.load(vsrc, mask=mask, other=0.0).to(vc_ptr.dtype.element_ty), mask=mask)
-        tl.store(vdst + HALF, tl.load(vsrc + HALF, mask=mask, other=0.0).to(vc_ptr.dtype.element_ty), mask=mask)
+        if SCALED:   # FP8: from k as returned (rounded to k's dtype), as the reference quantizes it
+            hs = tl.arange(0, BLOCK_HK)
+            lo_q, hi_q, ks = quantize_halves(lo.to(ko_ptr.dtype.element_ty).to(tl.float32),
+                                             hi.to(ko_ptr.dtype.element_ty).to(tl.float32), mask)
+            tl.store(ks_ptr + slot * stride_ss + hs, ks, mask=hs < HK)
+            k_lo = lo_q.to(kc_ptr.dtype.element_ty)
+            k_hi = hi_q.to(kc_ptr.dtype.element_ty)
+            v_lo, v_hi, vs = quantize_halves(tl.load(vsrc, mask=mask, other=0.0).to(tl.float32),
+                                             tl.load(vsrc + HALF, mask=mask, other=0.0).to(tl.float32), mask)
+            tl.store(vs_ptr + slot * stride_ss + hs, vs, mask=hs < HK)
+            tl.store(vdst, v_lo.to(vc_ptr.dtype.element_ty), mask=mask)
+            tl.store(vdst + HALF, v_hi.to(vc_ptr.dtype.element_ty), mask=mask)
+        else:
+            k_lo = lo.to(kc_ptr.dtype.element_ty)
+            k_hi = hi.to(kc_ptr.dtype.element_ty)
+            tl.store(vdst, tl.load(vsrc, mask=mask, other=0.0).to(vc_ptr.dtype.element_ty), mask=mask)
+            tl.store(vdst + HALF, tl.load(vsrc + HALF, mask=mask, other=0.0).to(vc_ptr.dtype.element_ty),
+                     mask=mask)
+        tl.store(kdst, k_lo, mask=mask)
+        tl.store(kdst + HALF, k_hi, mask=mask)
         if BOUNDS:
             page = slot // P
             first = slot % P == 0
             mn = kmin_ptr + page * stride_mp + heads * stride_mh + cols
             mx = kmax_ptr + page * stride_mp + heads * stride_mh + cols
+            if SCALED:   # the dequantized key: what attention reads
+                k_lo = k_lo.to(tl.float32) * ks[:, None]
+                k_hi = k_hi.to(tl.float32) * ks[:, None]
             fold_bounds(mn, mx, k_lo.to(kmin_ptr.dtype.element_ty), first, mask)
             fold_bounds(mn + HALF, mx + HALF, k_hi.to(kmin_ptr.dtype.element_ty), first, mask)
 
@@ -117,7 +156,8 @@ def _rope_store_kernel(q_ptr, k_ptr, v_ptr, qo_ptr, ko_ptr, pos_ptr, cache_ptr, 
 def rope_store_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                       cos_sin_cache: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       slot_mapping: torch.Tensor, kmin: torch.Tensor | None = None,
-                      kmax: torch.Tensor | None = None, page_size: int = 1):
+                      kmax: torch.Tensor | None = None, page_size: int = 1,
+                      k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None):
     """Same contract as rope_store_ref."""
     T, HQ, D = q.shape
     HK = k.shape[1]
@@ -127,26 +167,31 @@ def rope_store_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positio
     bounds = kmin is not None
     if bounds:
         assert kmax is not None and kmin.shape == kmax.shape and kmin.stride() == kmax.stride()
-        assert kmin.shape[1:] == (HK, D) and kmin.dtype == k_cache.dtype
+        assert kmin.shape[1:] == (HK, D) and (kmin.dtype == k_cache.dtype or k_scale is not None)
+    scaled = k_scale is not None
+    if scaled:
+        assert v_scale is not None and k_scale.shape == v_scale.shape == (k_cache.shape[0], HK)
+        assert k_scale.stride() == v_scale.stride() and k_scale.stride(1) == 1
     positions, slot_mapping = positions.contiguous(), slot_mapping.contiguous()   # read as ptr + t
     q_out, k_out = torch.empty_like(q), torch.empty_like(k)
     if T:
         mn, mx = (kmin, kmax) if bounds else (k_cache, k_cache)   # unused without bounds
         _rope_store_kernel[(T,)](
             q, k, v, q_out, k_out, positions, cos_sin_cache, slot_mapping, k_cache, v_cache, mn, mx,
+            k_scale if scaled else mn, v_scale if scaled else mn, k_scale.stride(0) if scaled else 0,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1), cos_sin_cache.stride(0),
             k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
             mn.stride(0), mn.stride(1),
             HQ=HQ, HK=HK, HALF=D // 2, P=int(page_size), BLOCK_HQ=pow2(HQ), BLOCK_HK=pow2(HK),
-            BLOCK_HALF=pow2(D // 2), BOUNDS=bounds, num_warps=4)
+            BLOCK_HALF=pow2(D // 2), BOUNDS=bounds, SCALED=scaled, num_warps=4)
     return q_out, k_out
 
 
 def rope_store(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, kmin=None, kmax=None,
-               page_size=1):
+               page_size=1, k_scale=None, v_scale=None):
     if use_triton(q):
         return rope_store_triton(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping,
-                                 kmin, kmax, page_size)
+                                 kmin, kmax, page_size, k_scale, v_scale)
     return rope_store_ref(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, kmin, kmax,
-                          page_size)
+                          page_size, k_scale, v_scale)

@@ -19,21 +19,23 @@ import torch
 import torch.nn.functional as F
 
 from sparsevllm.kernels.common import dot_precision, jit, pow2, tl, upcast_loads, use_triton
+from sparsevllm.kernels.decode_attention import dequant
 
 BLOCK_N = 64      # keys per program
 MAX_BLOCK_R = 64  # query rows (window x group heads) per inner step
 
 
 def window_scores_ref(q: torch.Tensor, k_cache: torch.Tensor, table: torch.Tensor, length: int,
-                      page_size: int, scale: float) -> torch.Tensor:
+                      page_size: int, scale: float, k_scale: torch.Tensor | None = None) -> torch.Tensor:
     """q: [w, H_q, D], the queries at positions length - w .. length - 1; k_cache: [num_slots,
-    H_kv, D]; table: [N] int32, the request's block table -> [H_kv, length] fp32."""
+    H_kv, D]; table: [N] int32, the request's block table -> [H_kv, length] fp32. k_scale:
+    [num_slots, H_kv] fp32 of an FP8 cache (the keys are k_cache * k_scale), else None."""
     w, Hq, D = q.shape
     Hkv = k_cache.shape[1]
     qg_size = Hq // Hkv
     pos = torch.arange(length, device=q.device)
     slots = table[pos // page_size].long() * page_size + pos % page_size
-    keys = k_cache[slots].float()                                          # [L, H_kv, D]
+    keys = dequant(k_cache, k_scale, (slots,))                             # [L, H_kv, D]
     qpos = torch.arange(length - w, length, device=q.device)
     visible = pos.view(1, -1) <= qpos.view(-1, 1)                          # [w, L]
     out = torch.empty(Hkv, length, dtype=torch.float32, device=q.device)
@@ -47,11 +49,11 @@ def window_scores_ref(q: torch.Tensor, k_cache: torch.Tensor, table: torch.Tenso
 
 @jit
 def _window_pass_kernel(
-        q_ptr, k_ptr, table_ptr, m_ptr, l_ptr, lse_ptr, out_ptr, qk_scale, length, window,
+        q_ptr, k_ptr, table_ptr, m_ptr, l_ptr, lse_ptr, out_ptr, qk_scale, length, window, ks_ptr, stride_ss,
         stride_qt, stride_qh, stride_ks, stride_kh, stride_mh, stride_mb, stride_lseh, stride_oh,
         QG: tl.constexpr, P: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
         BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, STATS: tl.constexpr,
-        UPCAST: tl.constexpr, DOT_PREC: tl.constexpr):
+        UPCAST: tl.constexpr, DOT_PREC: tl.constexpr, SCALED: tl.constexpr = False):
     h = tl.program_id(0)
     blk = tl.program_id(1)
     toks = blk * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -64,6 +66,10 @@ def _window_pass_kernel(
                 mask=tok_ok[:, None] & dim_ok[None, :], other=0.0)
     if UPCAST:
         k = k.to(tl.float32)
+    elif SCALED:   # an FP8 cache: widened in registers to q's dtype
+        k = k.to(q_ptr.dtype.element_ty)
+    if SCALED:   # a key's scale multiplies its logit column
+        k_scale = tl.load(ks_ptr + slot * stride_ss + h, mask=tok_ok, other=0.0)
     num_rows = QG * window
     col = tl.zeros([BLOCK_N], tl.float32)
     # Row r is window query r % window of query head h * QG + r // window.
@@ -77,6 +83,8 @@ def _window_pass_kernel(
         if UPCAST:
             q = q.to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale      # log2 domain
+        if SCALED:
+            s = s * k_scale[None, :]
         qpos = length - window + i
         ok = row_ok[:, None] & tok_ok[None, :] & (toks[None, :] <= qpos[:, None])
         s = tl.where(ok, s, float("-inf"))
@@ -95,7 +103,7 @@ def _window_pass_kernel(
 
 
 def window_scores_triton(q: torch.Tensor, k_cache: torch.Tensor, table: torch.Tensor, length: int,
-                         page_size: int, scale: float) -> torch.Tensor:
+                         page_size: int, scale: float, k_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Same contract as window_scores_ref."""
     w, Hq, D = q.shape
     Hkv = k_cache.shape[1]
@@ -111,8 +119,11 @@ def window_scores_triton(q: torch.Tensor, k_cache: torch.Tensor, table: torch.Te
     out = torch.empty(Hkv, length, dtype=torch.float32, device=dev)
     common = dict(QG=QG, P=int(page_size), HEAD_DIM=D, BLOCK_D=max(16, pow2(D)),
                   BLOCK_R=min(MAX_BLOCK_R, max(16, pow2(num_rows))), BLOCK_N=BLOCK_N,
-                  UPCAST=upcast_loads(q.dtype), DOT_PREC=dot_precision(q.dtype), num_warps=4)
+                  UPCAST=upcast_loads(q.dtype), DOT_PREC=dot_precision(q.dtype), SCALED=k_scale is not None,
+                  num_warps=4)
+    assert k_scale is None or (k_scale.shape == k_cache.shape[:2] and k_scale.stride(1) == 1)
     args = (q, k_cache, table, m, l_blk, lse, out, scale * 1.4426950408889634, length, w,
+            *((k_scale, k_scale.stride(0)) if k_scale is not None else (q, 0)),
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), m.stride(0), m.stride(1),
             lse.stride(0), out.stride(0))
     _window_pass_kernel[(Hkv, NB)](*args, STATS=True, **common)
@@ -125,10 +136,10 @@ def window_scores_triton(q: torch.Tensor, k_cache: torch.Tensor, table: torch.Te
     return out
 
 
-def window_scores(q, k_cache, table, length, page_size, scale):
+def window_scores(q, k_cache, table, length, page_size, scale, k_scale=None):
     if use_triton(q):
-        return window_scores_triton(q, k_cache, table, length, page_size, scale)
-    return window_scores_ref(q, k_cache, table, length, page_size, scale)
+        return window_scores_triton(q, k_cache, table, length, page_size, scale, k_scale)
+    return window_scores_ref(q, k_cache, table, length, page_size, scale, k_scale)
 
 
 def select_kept(scores: torch.Tensor, window: int, capacity: int, kernel_size: int,

@@ -51,9 +51,9 @@ class Attention(nn.Module):
             view = cm.prefill_view(self.layer_id, step)
             return prefill_attention(q, k, v, view.k_cache, view.v_cache, view.block_tables, step.cu_seqlens_q,
                                      view.cache_lens, step.max_seqlen_q, step.has_prefix, view.page_size,
-                                     self.scale, step.num_tokens)
+                                     self.scale, step.num_tokens, view.k_scale, view.v_scale)
         view = cm.build_decode_view(self.layer_id, q, step)
         if step.recall is not None:   # a sampled step (recall_sample_every): also measured against the dense view
             return measured_attention(self.layer_id, q, view, self.scale, cm, step)
         return decode_attention(q, view.k_cache, view.v_cache, view.table, view.lengths, view.page_size,
-                                self.scale, view.token_scores)
+                                self.scale, view.token_scores, view.k_scale, view.v_scale)

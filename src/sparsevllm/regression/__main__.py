@@ -53,6 +53,9 @@ def parse_args(argv=None) -> RunConfig:
                    help="JSON engine/method knobs; a method-name key holds that method's overrides, "
                         "a list value is swept, e.g. "
                         "'{\"max_num_seqs\": 8, \"quest\": {\"quest_token_budget\": [256, 512]}}'")
+    p.add_argument("--kv_cache_dtype", default="auto",
+                   help="KV cache storage of every run: auto | fp8 | fp8_e4m3 (the kv_cache_dtype knob; "
+                        "--hyper_params '{\"kv_cache_dtype\": [\"auto\", \"fp8\"]}' sweeps both)")
     p.add_argument("--out_dir", default="regression_out",
                    help="output folder; rerunning with the same folder resumes")
     p.add_argument("--seed", type=int, default=0,
@@ -66,6 +69,10 @@ def parse_args(argv=None) -> RunConfig:
     p.add_argument("--fidelity_tokens", type=int, default=32,
                    help="teacher-forced tokens per fidelity sample")
     a = p.parse_args(argv)
+    if a.kv_cache_dtype != "auto":
+        if "kv_cache_dtype" in a.hyper_params:
+            p.error("give kv_cache_dtype once: --kv_cache_dtype or in --hyper_params")
+        a.hyper_params["kv_cache_dtype"] = a.kv_cache_dtype
     return RunConfig(model=a.model, methods=a.methods, tasks=a.tasks, lengths=a.lengths,
                      samples=a.samples, hyper_params=a.hyper_params, out_dir=a.out_dir,
                      seed=a.seed, chat_template=not a.no_chat_template, tolerance=a.tolerance,

@@ -54,6 +54,8 @@ def main(argv=None) -> int:
     ap.add_argument("--recall-sample-every", type=int, default=0,
                     help="measure attention recall every N-th decode step of each request, reported in "
                          "/metrics (default: 0, off)")
+    ap.add_argument("--kv-cache-dtype", default=None,
+                    help="KV cache storage: auto (the model dtype) | fp8 | fp8_e4m3 (default: auto)")
     ap.add_argument("--hyper-params", default="{}", help="JSON of engine and method knobs")
     args, extra = ap.parse_known_args(argv)
     try:   # the server's and the engine's imports (torch, fastapi) wait until --help has answered
@@ -67,6 +69,8 @@ def main(argv=None) -> int:
             knobs["tensor_parallel_size"] = args.tensor_parallel_size
         if args.recall_sample_every:
             knobs["recall_sample_every"] = args.recall_sample_every
+        if args.kv_cache_dtype is not None:
+            knobs["kv_cache_dtype"] = args.kv_cache_dtype
         llm = LLM(args.model, vllm_sparse_method=args.sparse_method, **knobs)
         name = args.served_model_name or (os.path.basename(os.path.normpath(args.model)) if args.model
                                           else "smollm2-135m")

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from sparsevllm.config import EngineConfig, MethodConfig
-from sparsevllm.engine.kv_pool import KVPool, PageAllocator, PageTables
+from sparsevllm.engine.kv_pool import KVPool, PageAllocator, PageTables, kv_storage_dtype
 from sparsevllm.engine.sequence import Sequence
 from sparsevllm.engine.step import DecodeView, PrefillView, StepState, StoreTarget
 from sparsevllm.kernels.rope_store import rope_store
@@ -37,6 +37,8 @@ class Capabilities:
     # for it and its pages may be shared. False for a sparse decode view: the later layers of a
     # generated token saw fewer tokens, and only prompt pages enter the prefix cache.
     dense_decode: bool = True
+    # Runs with kv_cache_dtype="fp8" (else a clear ValueError naming the knob at launch).
+    fp8_kv_cache: bool = True
 
 
 class CacheManager:
@@ -57,6 +59,7 @@ class CacheManager:
         self.num_layers, self.head_dim = model_config.num_hidden_layers, model_config.head_dim
         self.num_kv_heads = num_kv_heads
         self.dtype, self.device = dtype, device
+        self.kv_dtype = kv_storage_dtype(config.kv_cache_dtype, dtype)   # what the KV is stored in
         num_pages = self.allocate_storage(num_pages)
         self.allocator = PageAllocator(num_pages)
         self.tables = PageTables(self.allocator, self.page_size, self.pages_for(config.max_model_len) + 1,
@@ -67,15 +70,17 @@ class CacheManager:
         return how many pages its paged pool `self.pool` has (the allocator's and the block tables'
         pages). A method with metadata per page adds it here; one that owns its layout (DeltaKV)
         builds it here. Dense: every layer raw, num_pages pages."""
-        self.pool = KVPool(self.num_layers, num_pages, self.page_size, self.num_kv_heads, self.head_dim, self.dtype,
-                           self.device)
+        self.pool = KVPool(self.num_layers, num_pages, self.page_size, self.num_kv_heads, self.head_dim,
+                           self.kv_dtype, self.device)
         return num_pages
 
     # ---- sizing -----------------------------------------------------------------------------
     @classmethod
     def bytes_per_page(cls, config: EngineConfig, num_layers, num_kv_heads, head_dim, dtype) -> int:
-        """Device bytes one page costs, metadata included; used to size the pool from memory."""
-        return KVPool.bytes_per_page(num_layers, config.page_size, num_kv_heads, head_dim, dtype)
+        """Device bytes one page costs, metadata included; used to size the pool from memory. dtype is
+        the model's; the KV itself is stored in kv_storage_dtype(config.kv_cache_dtype, dtype)."""
+        return KVPool.bytes_per_page(num_layers, config.page_size, num_kv_heads, head_dim,
+                                     kv_storage_dtype(config.kv_cache_dtype, dtype))
 
     @classmethod
     def fixed_device_bytes(cls, config: EngineConfig, num_layers, num_kv_heads, head_dim, dtype) -> int:
@@ -209,14 +214,17 @@ class CacheManager:
         """Rotate q and k to the step's positions (RoPE) and write k, v into the cache, in one
         kernel. q, k arrive before RoPE; returns (q, k) after it."""
         k_cache, v_cache = self.pool.layer(layer_id)
-        return rope_store(q, k, v, step.positions, cos_sin_cache, k_cache, v_cache, step.slot_mapping)
+        k_scale, v_scale = self.pool.scales(layer_id)
+        return rope_store(q, k, v, step.positions, cos_sin_cache, k_cache, v_cache, step.slot_mapping,
+                          k_scale=k_scale, v_scale=v_scale)
 
     def store_target(self, layer_id: int, step: StepState) -> StoreTarget | None:
         """Where a decode step's projection may write K/V itself instead of `store_kv` (RoPE and the
         write in the qkv GEMM's epilogue: one launch a layer fewer), or None to keep `store_kv`.
         The write must be exactly what `store_kv` would do; a manager that overrides `store_kv`
-        gets None here unless it overrides this too. Dense: the pool layer and the step's slots."""
-        if step.is_prefill or type(self).store_kv is not CacheManager.store_kv:
+        gets None here unless it overrides this too; so does an FP8 cache (the epilogue writes no
+        scales: rope_store quantizes, one launch a layer more). Dense: the pool layer and the step's slots."""
+        if step.is_prefill or type(self).store_kv is not CacheManager.store_kv or self.kv_dtype != self.dtype:
             return None
         k_cache, v_cache = self.pool.layer(layer_id)
         return StoreTarget(k_cache, v_cache, step.slot_mapping, step.positions)
@@ -231,13 +239,15 @@ class CacheManager:
 
     def prefill_view(self, layer_id: int, step: StepState) -> PrefillView:
         k_cache, v_cache = self.pool.layer(layer_id)
-        return PrefillView(k_cache, v_cache, step.block_tables, step.cache_lens, self.page_size)
+        return PrefillView(k_cache, v_cache, step.block_tables, step.cache_lens, self.page_size,
+                           *self.pool.scales(layer_id))
 
     def build_decode_view(self, layer_id: int, q: torch.Tensor, step: StepState) -> DecodeView:
         """Query-aware selection happens here (q: [B, H_q, D]). Dense: the block table itself."""
         k_cache, v_cache = self.pool.layer(layer_id)
+        k_scale, v_scale = self.pool.scales(layer_id)
         return DecodeView(k_cache, v_cache, step.block_tables.unsqueeze(1), step.cache_lens.unsqueeze(1),
-                          self.page_size)
+                          self.page_size, k_scale=k_scale, v_scale=v_scale)
 
     def recall_view(self, layer_id: int, step: StepState) -> DecodeView | None:
         """On a decode step that measures attention recall (step.recall; it runs eagerly): a

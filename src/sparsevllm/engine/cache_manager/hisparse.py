@@ -41,6 +41,7 @@ import torch.nn.functional as F
 from sparsevllm.config import EngineConfig, MethodConfig, is_int, is_number
 from sparsevllm.engine.cache_manager.base import Capabilities, CacheManager
 from sparsevllm.engine.host_pool import GiB, HostPool, check_host_memory
+from sparsevllm.engine.kv_pool import kv_storage_dtype
 from sparsevllm.engine.sequence import Sequence
 from sparsevllm.engine.staging import to_device
 from sparsevllm.engine.step import DecodeView, StepState
@@ -104,10 +105,11 @@ class HiSparseCacheManager(CacheManager):
         self.device_pages = knobs.device_pages(P)
         host_pages = self._host_pages(config, num_layers, num_kv_heads, head_dim, dtype)
         if host_pages < 1:
-            page_bytes = HostPool.bytes_per_page(num_layers, P, num_kv_heads, head_dim, dtype)
+            page_bytes = HostPool.bytes_per_page(num_layers, P, num_kv_heads, head_dim, self.kv_dtype)
             raise ValueError(f"hisparse_host_memory_gb={knobs.hisparse_host_memory_gb} holds no page of "
                              f"{page_bytes} bytes; valid: at least {page_bytes / GiB:.6f}")
-        self.host = HostPool(num_layers, host_pages, P, num_kv_heads, head_dim, dtype, pin=device.type == "cuda")
+        self.host = HostPool(num_layers, host_pages, P, num_kv_heads, head_dim, self.kv_dtype,
+                             pin=device.type == "cuda")
         # Page bounds indexed by host page (the device forgets a page, the scorer must not); the
         # last row is a trash page that padding rows write into.
         self.trash = host_pages
@@ -153,7 +155,8 @@ class HiSparseCacheManager(CacheManager):
 
     @classmethod
     def _host_pages(cls, config: EngineConfig, num_layers, num_kv_heads, head_dim, dtype) -> int:
-        page_bytes = HostPool.bytes_per_page(num_layers, config.page_size, num_kv_heads, head_dim, dtype)
+        page_bytes = HostPool.bytes_per_page(num_layers, config.page_size, num_kv_heads, head_dim,
+                                             kv_storage_dtype(config.kv_cache_dtype, dtype))
         return int(config.method_config.hisparse_host_memory_gb * GiB) // page_bytes
 
     @classmethod
@@ -272,8 +275,9 @@ class HiSparseCacheManager(CacheManager):
             offs = torch.arange(P, device=self.device)
             s = (to_device(src, self.device).unsqueeze(1) * P + offs).flatten()
             d = (to_device(dst, self.device).unsqueeze(1) * P + offs).flatten()
-            self.pool.k[:, d] = self.pool.k[:, s]
-            self.pool.v[:, d] = self.pool.v[:, s]
+            for x in (self.pool.k, self.pool.v, self.pool.k_scale, self.pool.v_scale):
+                if x is not None:   # K, V and, in an FP8 pool, their scales
+                    x[:, d] = x[:, s]
         keys = np.full(E, -1, dtype=np.int32)
         keys[:kept] = self.host_pages_of[sid][full - kept:full]
         self.buf_key[:, row] = to_device(keys, self.device, torch.int32)
@@ -350,7 +354,8 @@ class HiSparseCacheManager(CacheManager):
     def _bounds_from_pool(self, layer_id: int, dev_slots: torch.Tensor, host_pages: torch.Tensor) -> None:
         """Recompute the min/max of the device pages holding dev_slots (-1: none) with page_bounds
         and file them under their host pages."""
-        page_bounds(self.pool.layer(layer_id)[0], dev_slots, self.scratch_min, self.scratch_max, self.page_size)
+        page_bounds(self.pool.layer(layer_id)[0], dev_slots, self.scratch_min, self.scratch_max, self.page_size,
+                    self.pool.scales(layer_id)[0])
         dev_pages = (dev_slots // self.page_size).clamp(min=0)
         self.kmin[layer_id].index_copy_(0, host_pages, self.scratch_min.index_select(0, dev_pages))
         self.kmax[layer_id].index_copy_(0, host_pages, self.scratch_max.index_select(0, dev_pages))
@@ -363,18 +368,19 @@ class HiSparseCacheManager(CacheManager):
 
     def on_kv_stored(self, layer_id: int, k: torch.Tensor, v: torch.Tensor, step: StepState) -> None:
         host_k, host_v = self.host.layer(layer_id)
+        host_ks, host_vs = self.host.scales(layer_id)
         if step.is_prefill:
             if "hisparse_host_slots" not in step.extras:
                 return
             self._bounds_from_pool(layer_id, step.extras["hisparse_last_slots"], step.extras["hisparse_last_host"])
             slots = step.extras["hisparse_host_slots"]
             if self.copy_stream is None:
-                host_store(k, v, host_k, host_v, slots)
+                host_store(k, v, host_k, host_v, slots, host_ks, host_vs)
                 return
             # The prompt's copy to host overlaps the rest of the forward; decode waits for it.
             self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self.copy_stream):
-                host_store(k, v, host_k, host_v, slots)
+                host_store(k, v, host_k, host_v, slots, host_ks, host_vs)
             for t in (k, v, slots):
                 t.record_stream(self.copy_stream)
             self.copies_pending = True
@@ -387,7 +393,8 @@ class HiSparseCacheManager(CacheManager):
         pos = step.positions
         host_page = self.host_tables[rows, pos // self.page_size].long()
         active = (host_page != self.trash) & (step.slot_mapping >= 0)
-        host_store(k, v, host_k, host_v, torch.where(active, host_page * self.page_size + pos % self.page_size, -1))
+        host_store(k, v, host_k, host_v, torch.where(active, host_page * self.page_size + pos % self.page_size, -1),
+                   host_ks, host_vs)
         self._bounds_from_pool(layer_id, torch.where(active, step.slot_mapping, -1),
                                torch.where(active, host_page, self.trash))
 
@@ -412,6 +419,11 @@ class HiSparseCacheManager(CacheManager):
                                self.buf_key[layer_id], self.buf_last[layer_id], self.buf_phys, P)
         host_k, host_v = self.host.layer(layer_id)
         copy_pages(host_k, host_v, k_cache, v_cache, src, table, P)
+        k_scale, v_scale = self.pool.scales(layer_id)
+        if k_scale is not None:   # FP8: the pages' scales follow them, as a cache of one element a head
+            host_ks, host_vs = self.host.scales(layer_id)
+            copy_pages(host_ks.unsqueeze(-1), host_vs.unsqueeze(-1), k_scale.unsqueeze(-1), v_scale.unsqueeze(-1),
+                       src, table, P)
         wanted = torch.where(active, (view_lens + P - 1) // P - 1, 0).sum()
         self.swap_stats += torch.stack([wanted, (src >= 0).sum()])
         # One view for the batch: offloaded rows read their hot pages, dense rows their block table.
@@ -420,7 +432,7 @@ class HiSparseCacheManager(CacheManager):
         tab = torch.where(active.unsqueeze(1), F.pad(table, (0, W - n)), F.pad(bt, (0, W - bt.shape[1])))
         lengths = torch.where(active, view_lens, lens)
         return DecodeView(k_cache, v_cache, tab.to(torch.int32).unsqueeze(1).contiguous(),
-                          lengths.to(torch.int32).unsqueeze(1).contiguous(), P)
+                          lengths.to(torch.int32).unsqueeze(1).contiguous(), P, k_scale=k_scale, v_scale=v_scale)
 
     def recall_view(self, layer_id: int, step: StepState) -> DecodeView | None:
         """Every page an offloaded request holds, read from its host copy (decode writes through
@@ -433,4 +445,6 @@ class HiSparseCacheManager(CacheManager):
         lengths = torch.where(active, step.cache_lens, 0).to(torch.int32)
         table = self.host_tables[rows]
         table = torch.where(table == self.trash, 0, table)   # the trash page has no host storage
-        return DecodeView(host_k, host_v, table.unsqueeze(1), lengths.unsqueeze(1), self.page_size)
+        host_ks, host_vs = self.host.scales(layer_id)
+        return DecodeView(host_k, host_v, table.unsqueeze(1), lengths.unsqueeze(1), self.page_size,
+                          k_scale=host_ks, v_scale=host_vs)

@@ -148,11 +148,13 @@ class OmniKVCacheManager(CacheManager):
                 return scored_view(view, step, f"omnikv.{layer_id}")
             step.scratch[f"omnikv.{layer_id}"] = omnikv_scores(
                 q, self.pool.layer(layer_id)[0], step.block_tables, step.cache_lens,
-                step.extras["omnikv_prompt_lens"], self.page_size, self.scale, self.selector)
+                step.extras["omnikv_prompt_lens"], self.page_size, self.scale, self.selector,
+                self.pool.scales(layer_id)[0])
             return view
         table, lengths = selection(step, f"omnikv.{source}", lambda scores: self._select(scores, step))
         k_cache, v_cache = self.pool.layer(layer_id)
-        return DecodeView(k_cache, v_cache, table, lengths, 1)
+        k_scale, v_scale = self.pool.scales(layer_id)
+        return DecodeView(k_cache, v_cache, table, lengths, 1, k_scale=k_scale, v_scale=v_scale)
 
     def recall_view(self, layer_id: int, step: StepState) -> DecodeView | None:
         return CacheManager.build_decode_view(self, layer_id, None, step) if self.roles[layer_id][0] == "sparse" else None

@@ -31,6 +31,10 @@ Where we differ from the official code, and why:
   generated token's KV comes from the sparse decode, not what a miss would prefill
   (`dense_decode=False`).
 - Layers below `quest_skip_layers` keep no metadata at all.
+- FP8 KV cache: the page bounds are those of the dequantized keys (the keys attention reads, so
+  the bound stays an upper bound of the logits it computes; prefill recomputes a page from the
+  pool, where only those exist), kept in the model dtype. The store runs as its own rope_store
+  launch: the fused store-and-score launch and the qkv epilogue write no scales.
 - Preemption recomputes prompt + generated tokens by (dense) prefill, so the generated tokens'
   K/V in the sparse layers come from dense attention instead of the page selection they were
   decoded with: a preempted request's continuation can differ from an uninterrupted run from the
@@ -100,6 +104,7 @@ class QuestCacheManager(CacheManager):
         self.skip_layers = knobs.quest_skip_layers
         self.budget_pages = max(3, knobs.quest_token_budget // self.page_size)
         self.selection = knobs.quest_selection
+        self.fused_store = FUSED_STORE and self.kv_dtype == self.dtype   # the fused launch writes no FP8 scales
         # Indexed [layer, physical page, KV head, channel]; min/max of stored values are exact in
         # the model dtype. (A head-major layout, for longer contiguous reads when scoring, was
         # measured on the H200 at 128K x 4: no change, 1.44 ms a step either way.)
@@ -151,7 +156,7 @@ class QuestCacheManager(CacheManager):
                  cos_sin_cache: torch.Tensor, step: StepState) -> tuple[torch.Tensor, torch.Tensor]:
         if layer_id < self.skip_layers or step.is_prefill:
             return super().store_kv(layer_id, q, k, v, cos_sin_cache, step)
-        if FUSED_STORE and self._scores(layer_id, step):
+        if self.fused_store and self._scores(layer_id, step):
             # One launch rotates q and k, writes the token, folds its key into its page's bounds and
             # scores the request's pages with the rotated q; build_decode_view selects from the scores.
             i = layer_id - self.skip_layers
@@ -163,14 +168,16 @@ class QuestCacheManager(CacheManager):
             return q_out, k_out
         # Decode writes one token per request into a page no other request writes: the write
         # itself folds the new key into its page's min/max (the page's first slot resets them).
-        t = self.store_target(layer_id, step)
-        return rope_store(q, k, v, t.positions, cos_sin_cache, t.k_cache, t.v_cache, t.slot_mapping, t.page_min,
-                          t.page_max, t.page_size)
+        i = layer_id - self.skip_layers
+        k_cache, v_cache = self.pool.layer(layer_id)
+        return rope_store(q, k, v, step.positions, cos_sin_cache, k_cache, v_cache, step.slot_mapping, self.kmin[i],
+                          self.kmax[i], self.page_size, *self.pool.scales(layer_id))
 
     def store_target(self, layer_id: int, step: StepState) -> StoreTarget | None:
         """What store_kv writes: dense layers the pool alone; sparse layers also fold the new key into
-        its page's bounds, unless the scoring launch stores the token itself (FUSED_STORE: None)."""
-        if step.is_prefill or (FUSED_STORE and self._scores(layer_id, step)):
+        its page's bounds, unless the scoring launch stores the token itself (FUSED_STORE: None). None
+        for an FP8 cache: the epilogue writes no scales."""
+        if step.is_prefill or (self.fused_store and self._scores(layer_id, step)) or self.kv_dtype != self.dtype:
             return None
         k_cache, v_cache = self.pool.layer(layer_id)
         if layer_id < self.skip_layers:
@@ -185,7 +192,7 @@ class QuestCacheManager(CacheManager):
         # A prefill chunk may write many tokens into one page: recompute each page it touched.
         i = layer_id - self.skip_layers
         page_bounds(self.pool.layer(layer_id)[0], step.extras["quest_last_slots"], self.kmin[i], self.kmax[i],
-                    self.page_size)
+                    self.page_size, self.pool.scales(layer_id)[0])
 
     def recall_view(self, layer_id: int, step: StepState) -> DecodeView | None:
         return CacheManager.build_decode_view(self, layer_id, None, step) if self._scores(layer_id, step) else None
@@ -203,4 +210,5 @@ class QuestCacheManager(CacheManager):
         table, lengths = select_pages(scores, step.block_tables, step.cache_lens, self.page_size,
                                       self.budget_pages)
         k_cache, v_cache = self.pool.layer(layer_id)
-        return DecodeView(k_cache, v_cache, table, lengths, self.page_size)
+        k_scale, v_scale = self.pool.scales(layer_id)
+        return DecodeView(k_cache, v_cache, table, lengths, self.page_size, k_scale=k_scale, v_scale=v_scale)

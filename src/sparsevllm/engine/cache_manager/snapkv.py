@@ -240,11 +240,11 @@ class SnapKVCacheManager(CacheManager):
         k_cache, _ = self.pool.layer(layer_id)
         for c in step.scratch["snapkv.compactions"]:
             scores = window_scores(q[c.row_end - c.window:c.row_end], k_cache, step.block_tables[c.index],
-                                   c.seq.num_prompt_tokens, self.page_size, self.scale)
+                                   c.seq.num_prompt_tokens, self.page_size, self.scale, self.pool.scales(layer_id)[0])
             # Select now rather than at step end: [H_kv, C] indices per layer instead of [H_kv, L] scores.
             c.kept.append(select_kept(scores, c.window, self.capacity, self.kernel_size, self.pooling))
             if step.recall is not None:
-                c.recall.append(self._window_recall(q[c.row_end - c.window:c.row_end], k_cache, self.pool.layer(layer_id)[1],
+                c.recall.append(self._window_recall(layer_id, q[c.row_end - c.window:c.row_end],
                                                     step.block_tables[c.index], c.seq.num_prompt_tokens, c.kept[-1]))
 
     def on_step_end(self, step: StepState) -> None:
@@ -257,28 +257,34 @@ class SnapKVCacheManager(CacheManager):
                     step.recall.rows.append(c.index)
             self._compacting.pop(c.seq.seq_id, None)
 
-    def _window_recall(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor,
-                       length: int, kept: torch.Tensor) -> torch.Tensor:
+    def _window_recall(self, layer_id: int, q: torch.Tensor, table: torch.Tensor, length: int,
+                       kept: torch.Tensor) -> torch.Tensor:
         """The window queries q [w, H_q, D] (positions length - w ..) attend, causally, once over the
         whole prompt and once over the kept tokens kept [H_kv, C] (ascending, the window last): the
         mean over queries and heads of exp(lse_kept - lse_prompt), their mass share, and of the
         outputs' relative error -> [2] fp32. Decode attention does both passes: a row per query."""
         w, Hq, _ = q.shape
         C, P = kept.shape[1], self.page_size
+        (k_cache, v_cache), (k_scale, v_scale) = self.pool.layer(layer_id), self.pool.scales(layer_id)
         below = torch.arange(w, device=q.device, dtype=torch.int32).view(w, 1) + 1 - w   # causal: query i sees i - w + 1 more
         dense_table = table.view(1, 1, -1).expand(w, 1, table.shape[0])
         slots = (table.long()[kept // P] * P + kept % P).to(torch.int32)                # [H_kv, C]
         kept_table = slots.unsqueeze(0).expand(w, -1, -1)
         kept_lens = (C + below).expand(w, kept.shape[0]).contiguous()
         lse, lse_dense = (torch.empty(w, Hq, dtype=torch.float32, device=q.device) for _ in range(2))
-        out = decode_attention(q, k_cache, v_cache, kept_table, kept_lens, 1, self.scale, None, lse).float()
+        out = decode_attention(q, k_cache, v_cache, kept_table, kept_lens, 1, self.scale, None, k_scale, v_scale,
+                               lse_out=lse).float()
         dense = decode_attention(q, k_cache, v_cache, dense_table, (length + below).contiguous(), P, self.scale, None,
-                                 lse_dense).float()
+                                 k_scale, v_scale, lse_out=lse_dense).float()
         recall = torch.exp(lse - lse_dense).clamp(max=1.0).mean()
         error = ((out - dense).flatten(1).norm(dim=1) / dense.flatten(1).norm(dim=1).clamp(min=1e-30)).mean()
         return torch.stack([recall, error])
 
     # ---- compaction ------------------------------------------------------------------------------
+    def _stored(self, layer: int) -> list[torch.Tensor]:
+        """What a token is stored as in one layer: K and V, and their scales in an FP8 pool."""
+        return [x for x in (*self.pool.layer(layer), *self.pool.scales(layer)) if x is not None]
+
     def _compact(self, seq: Sequence, kept: torch.Tensor) -> None:
         """kept: [num_layers, H_kv, C] ascending prompt positions. Move them to fresh pages, release the
         prompt's pages, point the request at the new ones; cache_len = C, the logical length is untouched."""
@@ -298,21 +304,21 @@ class SnapKVCacheManager(CacheManager):
             new = [self.allocator.allocate() for _ in range(need)]
             dst = (to_device(new, dev)[pos // P] * P + pos % P)[:, None]
             for layer in range(self.num_layers):
-                k, v = self.pool.layer(layer)
-                k[dst, heads] = k[src[layer], heads]
-                v[dst, heads] = v[src[layer], heads]
+                for x in self._stored(layer):   # K, V (and their FP8 scales, moved with them)
+                    x[dst, heads] = x[src[layer], heads]
             for page in reversed(old):
                 self.allocator.release(page)
         else:
             # The pool is full: gather every layer first, since the new pages may be the released ones.
             layers = torch.arange(self.num_layers, device=dev)[:, None, None]
-            k_kept, v_kept = self.pool.k[layers, src, heads], self.pool.v[layers, src, heads]
+            stored = [x for x in (self.pool.k, self.pool.v, self.pool.k_scale, self.pool.v_scale) if x is not None]
+            kept_tokens = [x[layers, src, heads] for x in stored]
             for page in reversed(old):
                 self.allocator.release(page)
             new = [self.allocator.allocate() for _ in range(need)]
             dst = (to_device(new, dev)[pos // P] * P + pos % P)[None, :, None]
-            self.pool.k[layers, dst, heads] = k_kept
-            self.pool.v[layers, dst, heads] = v_kept
+            for x, kept_x in zip(stored, kept_tokens):
+                x[layers, dst, heads] = kept_x
         self.tables.replace(seq, new)
         seq.cache_len = C
         self._compacted_now.add(seq.seq_id)

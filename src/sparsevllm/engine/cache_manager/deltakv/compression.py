@@ -203,19 +203,20 @@ class Compression:
         for i in range(event.layers_done, upto):
             codec = self.codecs[i]
             k_cache, v_cache = self.raw.layer(i)
+            scales = self.raw.scales(i)   # an FP8 raw pool's, dequantized as gathered
             refs = gather_x(k_cache, v_cache, t["r_slots"].flatten(), t["r_rot"].flatten(), self.cos_sin,
-                            torch.bfloat16 if short else torch.float32).view(B, R, -1)
+                            torch.bfloat16 if short else torch.float32, *scales).view(B, R, -1)
             if short:
                 ref_sq = torch.linalg.vector_norm(refs, dim=-1, dtype=torch.float32).square()   # no fp32 copy of refs
             zs, nbrs = [], []
             for a, e, nref, slots, rot in t["chunks"]:
-                x = gather_x(k_cache, v_cache, slots, rot, self.cos_sin).view(B, e - a, -1)
+                x = gather_x(k_cache, v_cache, slots, rot, self.cos_sin, torch.float32, *scales).view(B, e - a, -1)
                 if short:   # each token's candidates, gathered again in fp32
                     idx = shortlist(x, refs[:, :nref], ref_sq[:, :nref], r_key_d[:, :nref], t_key_d[:, a:e],
                                     SHORTLIST)
                     c_slots, c_rot, c_key = t["ref_meta"].gather(2, idx.flatten(1).expand(3, -1, -1))
                     cand = gather_x(k_cache, v_cache, c_slots.flatten(), c_rot.flatten(),
-                                    self.cos_sin).view(*idx.shape, -1)
+                                    self.cos_sin, torch.float32, *scales).view(*idx.shape, -1)
                     z, nbr = compress_block(x, cand, c_key.view(idx.shape), t_key_d[:, a:e],
                                             knobs.deltakv_neighbors, codec)
                 else:

@@ -8,6 +8,7 @@ import torch
 
 from sparsevllm.config import EngineConfig, MethodConfig, is_int, is_number
 from sparsevllm.engine.cache_manager.deltakv import compressor as dc
+from sparsevllm.engine.kv_pool import bytes_per_token_head, kv_storage_dtype
 
 
 # Knobs that define the reference structure a compressor was trained on: None takes the compressor's
@@ -118,13 +119,15 @@ def sizes(config: EngineConfig, num_layers: int, num_kv_heads: int, head_dim: in
     full = knobs.deltakv_full_layers or dc.default_full_layers(num_layers)
     n_full, n_sparse = len(full), num_layers - len(full)
     elt = torch.empty((), dtype=dtype).element_size()
-    token = 2 * num_kv_heads * head_dim * elt                      # one token's K + V in one layer
+    # one token's K + V in one layer as stored (FP8: a byte an element and the scales), and as rebuilt
+    token = 2 * num_kv_heads * bytes_per_token_head(head_dim, kv_storage_dtype(config.kv_cache_dtype, dtype))
+    rebuilt = 2 * num_kv_heads * head_dim * elt
     latent = n_sparse * ((knobs.deltakv_latent_dim or 128) * elt + 4 * knobs.deltakv_neighbors)
     # Raw slots no request can do without: a prefill step's new tokens (raw until its end), and every
     # running request's sink and raw tail. Scratch: the decode views of a full batch, and the
     # reconstructed prefix of a prefill chunk (one layer of max_model_len tokens, made per step).
     fixed_raw = config.max_num_batched_tokens + config.max_num_seqs * (knobs.deltakv_sink + knobs.tail_bound + 1)
-    scratch = (config.max_num_seqs * knobs.view_capacity + config.max_model_len) * token
+    scratch = (config.max_num_seqs * knobs.view_capacity + config.max_model_len) * rebuilt
     return dict(n_full=n_full, n_sparse=n_sparse, token=token, steady=n_full * token + latent
                 + n_sparse * token / knobs.stride, raw_slot=n_sparse * token, fixed_raw=fixed_raw,
                 fixed=fixed_raw * n_sparse * token + scratch, scratch=scratch, latent=latent)

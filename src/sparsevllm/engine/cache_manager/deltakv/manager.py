@@ -78,8 +78,11 @@ class DeltaKVCacheManager(Compression, CacheManager):
         logger.info("deltakv: %d full layers raw in %d pages of %d tokens, %d sparse layers with %d raw slots "
                     "and latents of %d dims", len(self.full_layers), pages, P, len(self.sparse_layers), raw_slots,
                     self.latent_dim)
-        self.pool = KVPool(len(self.full_layers), pages, P, self.num_kv_heads, self.head_dim, dtype, device)
-        self.raw = KVPool(len(self.sparse_layers), raw_slots, 1, self.num_kv_heads, self.head_dim, dtype, device)
+        # An FP8 cache stores the full layers and the raw slots in FP8 with their scales; the latents
+        # and the scratch of rebuilt tokens stay in the model dtype (the compressor's own output).
+        kv = self.kv_dtype
+        self.pool = KVPool(len(self.full_layers), pages, P, self.num_kv_heads, self.head_dim, kv, device)
+        self.raw = KVPool(len(self.sparse_layers), raw_slots, 1, self.num_kv_heads, self.head_dim, kv, device)
         n_sp = len(self.sparse_layers)
         self.latents = torch.zeros(n_sp, pages * P, self.latent_dim, dtype=dtype, device=device)
         self.neighbors = torch.full((n_sp, pages * P, knobs.deltakv_neighbors), -1, dtype=torch.int32, device=device)
@@ -298,19 +301,26 @@ class DeltaKVCacheManager(Compression, CacheManager):
         i = self.index[layer_id]
         if self.roles[layer_id][0] == "filter":
             k_cache, v_cache = self.pool.layer(i)
-            return rope_store(q, k, v, step.positions, cos_sin_cache, k_cache, v_cache, step.slot_mapping)
+            k_scale, v_scale = self.pool.scales(i)
+            return rope_store(q, k, v, step.positions, cos_sin_cache, k_cache, v_cache, step.slot_mapping,
+                              k_scale=k_scale, v_scale=v_scale)
         slots = torch.where(step.slot_mapping >= 0, step.extras["deltakv_raw_slots"], -1)
         k_cache, v_cache = self.raw.layer(i)
-        return rope_store(q, k, v, step.positions, cos_sin_cache, k_cache, v_cache, slots)
+        k_scale, v_scale = self.raw.scales(i)
+        return rope_store(q, k, v, step.positions, cos_sin_cache, k_cache, v_cache, slots, k_scale=k_scale,
+                          v_scale=v_scale)
 
     def prefill_view(self, layer_id: int, step: StepState) -> PrefillView:
         i = self.index[layer_id]
         if self.roles[layer_id][0] == "filter":
             k_cache, v_cache = self.pool.layer(i)
-            return PrefillView(k_cache, v_cache, step.block_tables, step.cache_lens, self.page_size)
+            return PrefillView(k_cache, v_cache, step.block_tables, step.cache_lens, self.page_size,
+                               *self.pool.scales(i))
         k_cache, v_cache = self.raw.layer(i)
+        k_scale, v_scale = self.raw.scales(i)
         if "deltakv.prefix" not in step.scratch:   # nothing compressed yet: the raw slots are the prefix
-            return PrefillView(k_cache, v_cache, step.extras["deltakv_raw_tables"], step.cache_lens, 1)
+            return PrefillView(k_cache, v_cache, step.extras["deltakv_raw_tables"], step.cache_lens, 1, k_scale,
+                               v_scale)
         lens, offsets, table = step.scratch["deltakv.prefix"]
         out_k, out_v = self._rebuild(i, step, range(len(lens)), lens, offsets)
         return PrefillView(out_k, out_v, table, step.cache_lens, 1)
@@ -318,8 +328,9 @@ class DeltaKVCacheManager(Compression, CacheManager):
     def _rebuild(self, i: int, step: StepState, batch_rows, lens: list[int], offsets: list[int]):
         """Sparse layer i's first lens[j] tokens of request batch_rows[j], raw ones copied and
         compressed ones rebuilt (up(z) + references, RoPE at their positions), at offsets[j] of
-        one new [sum(lens), H, D] K and V."""
+        one new [sum(lens), H, D] K and V (the model dtype: FP8 raw slots are dequantized as read)."""
         k_cache, v_cache = self.raw.layer(i)
+        k_scale, v_scale = self.raw.scales(i)
         out_k = torch.empty(sum(lens), self.num_kv_heads, self.head_dim, dtype=self.dtype, device=self.device)
         out_v = torch.empty_like(out_k)
         P, codec = self.page_size, self.codecs[i]
@@ -333,7 +344,7 @@ class DeltaKVCacheManager(Compression, CacheManager):
                 reconstruct(pos.view(1, m).to(torch.int32), torch.full((1,), m, dtype=torch.int32, device=self.device),
                             rows[b:b + 1], self.raw_map, k_cache, v_cache, up_z.contiguous(), self.neighbors[i],
                             latent_slots.view(1, m), 0, self.cos_sin, out_k[off + a:off + a + m],
-                            out_v[off + a:off + a + m])
+                            out_v[off + a:off + a + m], k_scale, v_scale)
         return out_k, out_v
 
     def recall_view(self, layer_id: int, step: StepState) -> DecodeView | None:
@@ -358,8 +369,9 @@ class DeltaKVCacheManager(Compression, CacheManager):
         role, source = self.roles[layer_id]
         if role == "filter":
             k_cache, v_cache = self.pool.layer(self.index[layer_id])
+            k_scale, v_scale = self.pool.scales(self.index[layer_id])
             view = DecodeView(k_cache, v_cache, step.block_tables.unsqueeze(1), step.cache_lens.unsqueeze(1),
-                              self.page_size)
+                              self.page_size, k_scale=k_scale, v_scale=v_scale)
             if layer_id + 1 < self.num_layers and self.roles[layer_id + 1][0] == "sparse":
                 return scored_view(view, step, f"deltakv.{layer_id}")   # it scores the tokens of the run after it
             return view
@@ -373,7 +385,7 @@ class DeltaKVCacheManager(Compression, CacheManager):
         # the kernel reads each token's references through its latent slot (no gather launch)
         reconstruct(view_pos, lengths, step.extras["deltakv_rows"], self.raw_map, k_cache, v_cache, up_z.contiguous(),
                     self.neighbors[i], latent_slots, self.method_config.deltakv_sink, self.cos_sin, self.scratch_k,
-                    self.scratch_v)
+                    self.scratch_v, *self.raw.scales(i))
         return DecodeView(self.scratch_k, self.scratch_v, self.view_slots[:B], lengths.view(B, 1), 1)
 
     def _select(self, scores: torch.Tensor, step: StepState):
