@@ -284,3 +284,72 @@ def test_gpu_a_mixed_batch_under_graphs_equals_each_request_alone(tiny_model, me
     assert llm.engine.cache_manager.allocator.is_idle()
     want = [alone(model, m, k, p, device="cuda", dtype="float32") for p, (m, k) in zip(ps, wanted)]
     assert ids(outs) == want
+
+
+# ---------------------------------------------------------------- the server
+
+@pytest.fixture(scope="module")
+def quest_server(tmp_path_factory):
+    """A QuEST engine on a tiny tokenized Llama, served over HTTP, and the knobs it was launched with."""
+    import threading
+    import time
+
+    uvicorn = pytest.importorskip("uvicorn")
+    from regression_fixtures import build_tiny_llama
+    from sparsevllm.engine.async_engine import AsyncLLM
+    from sparsevllm.serve import build_app
+    from test_server import free_port
+    model = build_tiny_llama(str(tmp_path_factory.mktemp("tinytok")), max_position_embeddings=512)
+    knobs = dict(device="cpu", **BASE, **ENGINE["quest"])
+    llm = LLM(model, "quest", **knobs)
+    async_llm = AsyncLLM(llm.engine)
+    port = free_port()
+    srv = uvicorn.Server(uvicorn.Config(build_app(async_llm, "tiny"), host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    while not srv.started:
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{port}", llm, model, knobs
+    srv.should_exit = True
+    thread.join(timeout=30)
+    async_llm.shutdown()
+
+
+def test_the_server_takes_sparse_per_request_and_lists_the_choices(quest_server):
+    import asyncio
+    import json
+    openai = pytest.importorskip("openai")
+    from test_server import http, idle
+    url, llm, model, knobs = quest_server
+    prompt = " ".join(f"w{i % 37} x{i % 11}" for i in range(80))   # far past the 16-token budget
+    bodies = [{"method": "vanilla"}, {"method": "quest", "quest_token_budget": 16}]
+    launched = [("vanilla", {k: v for k, v in knobs.items() if not k.startswith("quest")}),
+                ("quest", {**knobs, "quest_token_budget": 16})]
+    want = [LLM(model, m, **k).generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0].text for m, k in launched]
+    assert want[0] != want[1]
+    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+
+    async def both():   # two concurrent requests, different `sparse` bodies
+        return await asyncio.gather(*[client.completions.create(
+            model="tiny", prompt=prompt, max_tokens=10, temperature=0, extra_body={"sparse": b, "ignore_eos": True})
+            for b in bodies])
+    got = asyncio.run(both())
+    assert [c.choices[0].text for c in got] == want
+    chat = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0).chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": prompt}], max_tokens=6, temperature=0,
+        extra_body={"sparse": {"method": "vanilla"}})
+    messages = [{"role": "user", "content": prompt}]
+    ref = LLM(model, "vanilla", **launched[0][1]).chat(messages, SamplingParams(temperature=0.0, max_tokens=6),
+                                                       use_tqdm=False)[0].outputs[0].text
+    assert chat.choices[0].message.content == ref
+    for body, needle in [({"method": "snapkv"}, "sparse.method='snapkv'"), ({"quest_token_budget": 1}, "quest_token_budget=1"),
+                         ({"method": 3}, "SparseParams.method must be"), ({"quest_page_size": 8}, "cannot be set per request"),
+                         ("quest", "sparse")]:
+        for endpoint, extra in [("/v1/completions", {"prompt": "hi"}),
+                                ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})]:
+            code, text = http("POST", url + endpoint, json.dumps({**extra, "max_tokens": 2, "sparse": body}), key=None)
+            error = json.loads(text)["error"]
+            assert code == 400 and error["param"] == "sparse" and needle in error["message"], (body, text)
+    models = json.loads(http("GET", url + "/v1/models", key=None)[1])["data"][0]
+    assert models["sparse"] == {"default": "quest", "methods": ["quest", "vanilla"], "knobs": ["quest_token_budget"]}
+    assert idle(llm.engine)
