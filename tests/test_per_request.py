@@ -269,6 +269,26 @@ def test_per_row_selection_triton_matches_reference(B, G, N, P):
             assert torch.equal(got_t[b, g, :used].cpu(), want_t[b, g, :used])
 
 
+@pytest.mark.parametrize("selection", ["kv_head", "query_head", "shared"])
+def test_rows_within_their_budget_are_not_scored(selection):
+    """bound_scores with per-row budgets: a row within its budget (a dense row) scores -inf everywhere
+    and its programs exit; the others score as without budgets. Triton against the reference."""
+    g = torch.Generator().manual_seed(3)
+    B, Hq, Hkv, D, N, P = 4, 4, 2, 16, 12, 4
+    q = torch.randn(B, Hq, D, generator=g)
+    kmin = torch.randn(64, Hkv, D, generator=g)
+    kmax = kmin + torch.rand(64, Hkv, D, generator=g)
+    bt = torch.randperm(64, generator=g)[:B * N].view(B, N).int()
+    ctx = torch.tensor([45, 45, 13, 30], dtype=torch.int32)
+    budgets = torch.tensor([3, psel.DENSE_PAGES, 3, 8], dtype=torch.int32)   # rows 1 and 3 are within theirs
+    want = psel.bound_scores_ref(q, kmin, kmax, bt, ctx, P, selection, budgets)
+    plain = psel.bound_scores_ref(q, kmin, kmax, bt, ctx, P, selection)
+    assert torch.isinf(want[[1, 3]]).all() and torch.equal(want[[0, 2]], plain[[0, 2]])
+    dev = "cuda" if CUDA else "cpu"
+    got = psel.bound_scores_triton(*(x.to(dev) for x in (q, kmin, kmax, bt, ctx)), P, selection, budgets.to(dev))
+    torch.testing.assert_close(got.cpu(), want, rtol=1e-5, atol=1e-5)
+
+
 # ---------------------------------------------------------------- GPU: under CUDA graphs
 
 @gpu

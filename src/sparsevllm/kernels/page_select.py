@@ -121,10 +121,12 @@ SELECTIONS = ("kv_head", "query_head", "shared")   # page-set rows: H_kv, H_q or
 
 
 def bound_scores_ref(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, block_tables: torch.Tensor,
-                     cache_lens: torch.Tensor, page_size: int, selection: str) -> torch.Tensor:
+                     cache_lens: torch.Tensor, page_size: int, selection: str,
+                     row_budgets: torch.Tensor | None = None) -> torch.Tensor:
     """q: [B, H_q, D]; kmin, kmax: [num_pages, H_kv, D]; block_tables: [B, N]; cache_lens: [B]
     -> fp32 scores [B, G, N], G = H_kv / H_q / 1 for selection kv_head / query_head / shared;
-    -inf at and after each row's current page."""
+    -inf at and after each row's current page. row_budgets: [B] page budgets (select_pages'), or
+    None: a row within its budget attends densely and is not scored (-inf everywhere)."""
     B, Hq, D = q.shape
     Hkv = kmin.shape[1]
     N = block_tables.shape[1]
@@ -142,6 +144,8 @@ def bound_scores_ref(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, bl
         if selection == "shared":
             scores = scores.sum(1, keepdim=True)
     current = (cache_lens.long() - 1) // page_size
+    if row_budgets is not None:
+        current = torch.where(current < row_budgets.long(), 0, current)
     candidate = torch.arange(N, device=q.device).view(1, 1, N) < current.view(B, 1, 1)
     return scores.masked_fill(~candidate, float("-inf")).contiguous()
 
@@ -204,9 +208,10 @@ def _bound_scores_kernel(q_ptr, kmin_ptr, kmax_ptr, table_ptr, len_ptr, out_ptr,
                          rq_ptr, k_ptr, v_ptr, ko_ptr, pos_ptr, cs_ptr, slot_ptr, kc_ptr, vc_ptr,
                          stride_rqb, stride_rqh, stride_kb, stride_kh, stride_vb, stride_vh,
                          stride_kob, stride_koh, stride_c, stride_kcs, stride_kch, stride_vcs, stride_vch,
+                         budget_ptr,
                          GROUP: tl.constexpr, KV_PER_PROG: tl.constexpr, PER_QUERY: tl.constexpr,
                          P: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                         BLOCK_P: tl.constexpr, STORE: tl.constexpr, PDL: tl.constexpr):
+                         BLOCK_P: tl.constexpr, STORE: tl.constexpr, PER_ROW: tl.constexpr, PDL: tl.constexpr):
     # Program (b, r, blk) reads the metadata of KV heads r * KV_PER_PROG .. + KV_PER_PROG once
     # and scores them with their GROUP query heads: summed into row r (kv_head: one head a
     # program; shared: all heads, r = 0), or one row per query head (query_head).
@@ -214,6 +219,8 @@ def _bound_scores_kernel(q_ptr, kmin_ptr, kmax_ptr, table_ptr, len_ptr, out_ptr,
     r = tl.program_id(1)
     blk = tl.program_id(2)
     current = (tl.load(len_ptr + b) - 1) // P
+    if PER_ROW:   # a row within its page budget attends densely: nothing to score, its programs exit
+        current = tl.where(current < tl.load(budget_ptr + b), 0, current)
     offs = blk * BLOCK_P + tl.arange(0, BLOCK_P)
     out_row = out_ptr + b * stride_ob + offs
     dims = tl.arange(0, BLOCK_D)
@@ -280,12 +287,13 @@ def _bound_scores_kernel(q_ptr, kmin_ptr, kmax_ptr, table_ptr, len_ptr, out_ptr,
 
 
 def bound_scores_triton(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, block_tables: torch.Tensor,
-                        cache_lens: torch.Tensor, page_size: int, selection: str) -> torch.Tensor:
+                        cache_lens: torch.Tensor, page_size: int, selection: str,
+                        row_budgets: torch.Tensor | None = None) -> torch.Tensor:
     """Same contract as bound_scores_ref; one program per (request, KV head or all, block of pages)."""
-    return launch_bound_scores(q, kmin, kmax, block_tables, cache_lens, page_size, selection, None)
+    return launch_bound_scores(q, kmin, kmax, block_tables, cache_lens, page_size, selection, None, row_budgets)
 
 
-def launch_bound_scores(q, kmin, kmax, block_tables, cache_lens, page_size, selection, store):
+def launch_bound_scores(q, kmin, kmax, block_tables, cache_lens, page_size, selection, store, row_budgets=None):
     """bound_scores_triton's launch. With `store` = (q before RoPE, k, v, positions, cos_sin_cache,
     k_cache, v_cache, slot_mapping, k_out) the same launch also does that decode step's rope_store
     (with the page bounds) and scores the rotated query, which it writes into `q`
@@ -317,17 +325,18 @@ def launch_bound_scores(q, kmin, kmax, block_tables, cache_lens, page_size, sele
         rq, k, v, k_out, positions, cos_sin, slots, k_cache, v_cache,
         rq.stride(0), rq.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_out.stride(0), k_out.stride(1), cos_sin.stride(0), k_cache.stride(0), k_cache.stride(1),
-        v_cache.stride(0), v_cache.stride(1),
+        v_cache.stride(0), v_cache.stride(1), row_budgets.contiguous() if row_budgets is not None else cache_lens,
         GROUP=Hq // Hkv, KV_PER_PROG=Hkv if shared else 1, PER_QUERY=selection == "query_head",
-        P=int(page_size), HEAD_DIM=D, BLOCK_D=pow2(D), BLOCK_P=BLOCK_PAGES, STORE=store is not None, PDL=on,
+        P=int(page_size), HEAD_DIM=D, BLOCK_D=pow2(D), BLOCK_P=BLOCK_PAGES, STORE=store is not None,
+        PER_ROW=row_budgets is not None, PDL=on,
         num_warps=SCORE_WARPS, **({"launch_pdl": True} if on else {}))
     return out
 
 
-def bound_scores(q, kmin, kmax, block_tables, cache_lens, page_size, selection):
+def bound_scores(q, kmin, kmax, block_tables, cache_lens, page_size, selection, row_budgets=None):
     if use_triton(q):
-        return bound_scores_triton(q, kmin, kmax, block_tables, cache_lens, page_size, selection)
-    return bound_scores_ref(q, kmin, kmax, block_tables, cache_lens, page_size, selection)
+        return bound_scores_triton(q, kmin, kmax, block_tables, cache_lens, page_size, selection, row_budgets)
+    return bound_scores_ref(q, kmin, kmax, block_tables, cache_lens, page_size, selection, row_budgets)
 
 
 # ---------------------------------------------------------------- page selection

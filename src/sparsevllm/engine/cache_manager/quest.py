@@ -182,7 +182,8 @@ class QuestCacheManager(CacheManager):
             q_out, k_out = torch.empty_like(q), torch.empty_like(k)
             step.scratch[f"quest.{layer_id}"] = store_and_score(
                 q, k, v, step.positions, cos_sin_cache, k_cache, v_cache, step.slot_mapping, self.kmin[i],
-                self.kmax[i], step.block_tables, step.cache_lens, self.page_size, self.selection, q_out, k_out)
+                self.kmax[i], step.block_tables, step.cache_lens, self.page_size, self.selection, q_out, k_out,
+                step.extras["quest_budget_pages"])
             return q_out, k_out
         # Decode writes one token per request into a page no other request writes: the write
         # itself folds the new key into its page's min/max (the page's first slot resets them).
@@ -222,7 +223,7 @@ class QuestCacheManager(CacheManager):
         scores = step.scratch.pop(f"quest.{layer_id}", None)   # store_kv's fused launch scored the pages
         if scores is None:
             scores = bound_scores(q, self.kmin[i], self.kmax[i], step.block_tables, step.cache_lens,
-                                  self.page_size, self.selection)
+                                  self.page_size, self.selection, step.extras["quest_budget_pages"])
         if self.selection == "shared":
             scores = combine_shared_scores(scores, op="sum")   # the sum over every rank's heads (-inf stays -inf)
         table, lengths = select_pages(scores, step.block_tables, step.cache_lens, self.page_size,
