@@ -294,7 +294,7 @@ def test_rows_within_their_budget_are_not_scored(selection):
 @gpu
 @pytest.mark.parametrize("method", ["quest", "omnikv", "snapkv"])
 def test_gpu_a_mixed_batch_under_graphs_equals_each_request_alone(tiny_model, method):
-    """bf16 on the GPU, decode in CUDA graphs, overlap on: the mixed batch against each request alone
+    """fp32 on the GPU (token equality), decode in CUDA graphs, overlap on: the mixed batch against each request alone
     (also in graphs)."""
     model = tiny_model(num_hidden_layers=3)
     ps, sparse, wanted = mixed_case(method)
