@@ -314,7 +314,7 @@ def test_a_closed_client_loop_does_not_stop_the_engine_thread(tiny):
         dead = asyncio.new_event_loop()
         dead.close()
         async_llm._inbox.put(("add", prompts([12], seed=5)[0], SamplingParams(max_tokens=300, ignore_eos=True),
-                              _Stream(dead), time.perf_counter()))
+                              None, _Stream(dead), time.perf_counter()))
         async_llm._wake.set()
         _wait_idle(llm.engine)
         assert async_llm._thread.is_alive() and not async_llm._streams

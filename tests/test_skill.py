@@ -45,7 +45,7 @@ def test_hooks_named_by_the_skill_exist_on_the_base_class():
 
 
 DESIGN = ROOT / "docs" / "design.md"
-HELPERS = {"pages_for", "admit_len", "seq_admit_len", "last_slots", "num_pages"}   # for methods to call
+HELPERS = {"pages_for", "admit_len", "seq_admit_len", "last_slots", "num_pages", "request_config"}   # for methods to call
 
 
 def test_the_design_hook_table_lists_every_hook_with_its_arguments():

@@ -7,8 +7,9 @@ _os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from sparsevllm.method_registry import available_methods  # noqa: E402
 from sparsevllm.sampling_params import SamplingParams  # noqa: E402
+from sparsevllm.sparse_params import SparseParams  # noqa: E402
 
-__all__ = ["LLM", "SamplingParams", "available_methods"]
+__all__ = ["LLM", "SamplingParams", "SparseParams", "available_methods"]
 __version__ = "0.1.0"
 
 

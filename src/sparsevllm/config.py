@@ -74,6 +74,10 @@ class EngineConfig(Knobs):
     # Measure attention recall on every N-th decode step of each request (docs/design.md, section
     # 10); 0: off, and then nothing on the step path changes.
     recall_sample_every: int = 0
+    # vllm_sparse_method="auto" only: a request whose prompt is shorter than auto_dense_below tokens
+    # decodes densely, a longer one with auto_method (its knobs: the method's, given at launch).
+    auto_dense_below: int = 8192
+    auto_method: str = "quest"
     method_config: MethodConfig = field(default_factory=MethodConfig, repr=False)
     # The cache-manager class registered as vllm_sparse_method: looked up once, by make_config.
     method: type | None = field(default=None, repr=False)
@@ -107,7 +111,10 @@ class EngineConfig(Knobs):
              "an integer >= 1 (one process per rank, one GPU per rank on CUDA)")
         need(is_int(self.recall_sample_every) and self.recall_sample_every >= 0, "recall_sample_every",
              "an integer >= 0 (0: off; N: measure attention recall every N-th decode step of a request)")
+        need(is_int(self.auto_dense_below) and self.auto_dense_below >= 0, "auto_dense_below",
+             "an integer >= 0 (prompt tokens below which an \"auto\" request decodes densely)")
 
 
 ENGINE_KNOBS = [f.name for f in fields(EngineConfig)
                 if f.name not in ("model", "vllm_sparse_method", "method_config", "method")]
+AUTO_KNOBS = ("auto_dense_below", "auto_method")   # engine knobs of vllm_sparse_method="auto" only

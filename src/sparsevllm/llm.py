@@ -7,6 +7,7 @@ from sparsevllm.engine.llm_engine import LLMEngine
 from sparsevllm.method_registry import make_config
 from sparsevllm.outputs import RequestOutput
 from sparsevllm.sampling_params import SamplingParams
+from sparsevllm.sparse_params import SparseParams
 
 logger = logging.getLogger(__name__)
 
@@ -52,17 +53,24 @@ class LLM:
         return list(prompts)
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True,
+                 sparse_params: SparseParams | list[SparseParams | None] | None = None) -> list[RequestOutput]:
+        """sparse_params: one SparseParams for every prompt or a list, one per prompt (None: the
+        engine's method and knobs). A request whose sparse knobs the engine refuses finishes alone
+        with finish_reason 'error' and a message naming the knob."""
         prompts = self._as_list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
+        sparse = sparse_params if isinstance(sparse_params, list) else [sparse_params] * len(prompts)
+        if len(sparse) != len(prompts):
+            raise ValueError(f"got {len(sparse)} sparse_params for {len(prompts)} prompts")
         seqs = []
         try:
-            for p, sp in zip(prompts, params):
-                seqs.append(self.engine.add_request(p, sp))
+            for p, sp, sparsity in zip(prompts, params, sparse):
+                seqs.append(self.engine.add_request(p, sp, sparse=sparsity))
             self.engine.run(seqs, use_tqdm)
         except BaseException:
             self._abort(seqs)
@@ -76,7 +84,7 @@ class LLM:
             self.engine.abort(seq)
         self.engine.reset_in_flight()
 
-    def chat(self, messages, sampling_params=None, use_tqdm: bool = True) -> list[RequestOutput]:
+    def chat(self, messages, sampling_params=None, use_tqdm: bool = True, sparse_params=None) -> list[RequestOutput]:
         """messages: one conversation (a list of {"role", "content"} dicts) or a list of them."""
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("this model's tokenizer has no chat template; use generate() with a plain prompt")
@@ -84,7 +92,7 @@ class LLM:
         prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=False)
                    for c in conversations]
         prompts = [self.tokenizer.encode(p, add_special_tokens=False) for p in prompts]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, sparse_params)
 
     def teacher_forced_logprobs(self, prompts, continuations: list[list[int]],
                                 use_tqdm: bool = True) -> list[torch.Tensor]:

@@ -95,12 +95,12 @@ class AsyncLLM:
         self._thread.start()
 
     # ---- asyncio side ---------------------------------------------------------------------------
-    async def generate(self, prompt, params: SamplingParams):
+    async def generate(self, prompt, params: SamplingParams, sparse=None):
         """Yields RequestOutput snapshots as tokens arrive; the last one has finished=True. Closing
         the generator (a client that disconnected) aborts the request and frees its pages."""
         stream = _Stream(asyncio.get_running_loop())
         # Stamped here, not when the engine thread takes it: TTFT then counts the wait for a step.
-        self._inbox.put(("add", prompt, params, stream, time.perf_counter()))
+        self._inbox.put(("add", prompt, params, sparse, stream, time.perf_counter()))
         self._wake.set()
         done = False
         try:
@@ -151,9 +151,9 @@ class AsyncLLM:
             except queue.Empty:
                 return
             if item[0] == "add":
-                _, prompt, params, stream, received = item
+                _, prompt, params, sparse, stream, received = item
                 try:
-                    seq = self.engine.add_request(prompt, params, arrival_time=received)
+                    seq = self.engine.add_request(prompt, params, arrival_time=received, sparse=sparse)
                 except (ValueError, TypeError) as e:   # the client's mistake: its own error
                     stream.push(e)
                     continue

@@ -16,10 +16,12 @@ from sparsevllm.engine.recall import RequestRecall
 from sparsevllm.engine.sampling import SampledStep, position_logprobs, sample_step
 from sparsevllm.engine.scheduler import Scheduler
 from sparsevllm.engine.sequence import Sequence
+from sparsevllm.method_registry import request_sparsity
 from sparsevllm.models.config import ModelConfig, config_architecture, read_config_json
 from sparsevllm.models.registry import get_model_class
 from sparsevllm.outputs import RequestOutput
 from sparsevllm.sampling_params import SamplingParams
+from sparsevllm.sparse_params import SparseParams
 
 logger = logging.getLogger(__name__)
 
@@ -155,13 +157,17 @@ class LLMEngine:
             return list(prompt)
         raise TypeError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
 
-    def add_request(self, prompt, params: SamplingParams, arrival_time: float | None = None) -> Sequence:
+    def add_request(self, prompt, params: SamplingParams, arrival_time: float | None = None,
+                    sparse: SparseParams | None = None) -> Sequence:
         """Queue one request (its params.n samples: `seq.group`). A request that can never run
-        (empty, too long) is returned already finished with finish_reason 'error' and a message;
-        it does not disturb the others. arrival_time (time.perf_counter()): when the request
-        really arrived, if earlier than now (the server stamps it on receipt)."""
+        (empty, too long, a per-request sparse knob the engine refuses) is returned already finished
+        with finish_reason 'error' and a message; it does not disturb the others. arrival_time
+        (time.perf_counter()): when the request really arrived, if earlier than now (the server
+        stamps it on receipt). sparse: its SparseParams (None: the engine's method and knobs)."""
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
+        if sparse is not None and not isinstance(sparse, SparseParams):
+            raise TypeError(f"sparse_params must be SparseParams, got {type(sparse).__name__}")
         token_ids = self.tokenize(prompt)
         now = time.perf_counter() if arrival_time is None else arrival_time
         text = prompt if isinstance(prompt, str) else None
@@ -179,6 +185,12 @@ class LLMEngine:
         for child in children:
             child.prefix_parent = seq
         error = self._request_error(token_ids, params)
+        try:
+            setting = request_sparsity(self.config, sparse, len(token_ids))
+        except ValueError as e:
+            setting, error = None, error or str(e)
+        for s in seq.group:
+            s.sparse = setting
         for s in seq.group:
             if error:
                 self.fail(s, error)

@@ -74,6 +74,8 @@ class OutputProcessor:
         metrics = {"arrival_time": request.arrival_time, "first_token_time": min(firsts) if firsts else None,
                    "finish_time": max(times) if times else request.arrival_time,
                    "token_times": list(request.token_times)}
+        if request.sparse is not None:   # what it decoded with: the method, its knobs, why ("auto")
+            metrics["sparse"] = request.sparse.report()
         if request.recall is not None:
             metrics["attention_recall"] = RequestRecall.summary([s.recall for s in request.group],
                                                                 self.recall_definition)

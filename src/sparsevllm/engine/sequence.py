@@ -38,6 +38,9 @@ class Sequence:
         self.first_token_time: float | None = None
         self.token_times: list[float] = []
         self.recall = None   # RequestRecall (engine/recall.py) when recall_sample_every > 0
+        # What it decodes with (sparse_params.RequestSparsity: a dense row, or the engine's method
+        # with this request's knobs), set when it arrives; None: the engine's method and knobs.
+        self.sparse = None
         # The n samples of one request: the first is the request itself and prefills the prompt;
         # the others wait for it (prefix_parent) and then share its prompt pages.
         self.group: list[Sequence] = [self]

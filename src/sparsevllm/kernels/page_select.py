@@ -121,10 +121,12 @@ SELECTIONS = ("kv_head", "query_head", "shared")   # page-set rows: H_kv, H_q or
 
 
 def bound_scores_ref(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, block_tables: torch.Tensor,
-                     cache_lens: torch.Tensor, page_size: int, selection: str) -> torch.Tensor:
+                     cache_lens: torch.Tensor, page_size: int, selection: str,
+                     row_budgets: torch.Tensor | None = None) -> torch.Tensor:
     """q: [B, H_q, D]; kmin, kmax: [num_pages, H_kv, D]; block_tables: [B, N]; cache_lens: [B]
     -> fp32 scores [B, G, N], G = H_kv / H_q / 1 for selection kv_head / query_head / shared;
-    -inf at and after each row's current page."""
+    -inf at and after each row's current page. row_budgets: [B] page budgets (select_pages'), or
+    None: a row within its budget attends densely and is not scored (-inf everywhere)."""
     B, Hq, D = q.shape
     Hkv = kmin.shape[1]
     N = block_tables.shape[1]
@@ -142,6 +144,8 @@ def bound_scores_ref(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, bl
         if selection == "shared":
             scores = scores.sum(1, keepdim=True)
     current = (cache_lens.long() - 1) // page_size
+    if row_budgets is not None:
+        current = torch.where(current < row_budgets.long(), 0, current)
     candidate = torch.arange(N, device=q.device).view(1, 1, N) < current.view(B, 1, 1)
     return scores.masked_fill(~candidate, float("-inf")).contiguous()
 
@@ -204,9 +208,10 @@ def _bound_scores_kernel(q_ptr, kmin_ptr, kmax_ptr, table_ptr, len_ptr, out_ptr,
                          rq_ptr, k_ptr, v_ptr, ko_ptr, pos_ptr, cs_ptr, slot_ptr, kc_ptr, vc_ptr,
                          stride_rqb, stride_rqh, stride_kb, stride_kh, stride_vb, stride_vh,
                          stride_kob, stride_koh, stride_c, stride_kcs, stride_kch, stride_vcs, stride_vch,
+                         budget_ptr,
                          GROUP: tl.constexpr, KV_PER_PROG: tl.constexpr, PER_QUERY: tl.constexpr,
                          P: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                         BLOCK_P: tl.constexpr, STORE: tl.constexpr, PDL: tl.constexpr):
+                         BLOCK_P: tl.constexpr, STORE: tl.constexpr, PER_ROW: tl.constexpr, PDL: tl.constexpr):
     # Program (b, r, blk) reads the metadata of KV heads r * KV_PER_PROG .. + KV_PER_PROG once
     # and scores them with their GROUP query heads: summed into row r (kv_head: one head a
     # program; shared: all heads, r = 0), or one row per query head (query_head).
@@ -214,6 +219,8 @@ def _bound_scores_kernel(q_ptr, kmin_ptr, kmax_ptr, table_ptr, len_ptr, out_ptr,
     r = tl.program_id(1)
     blk = tl.program_id(2)
     current = (tl.load(len_ptr + b) - 1) // P
+    if PER_ROW:   # a row within its page budget attends densely: nothing to score, its programs exit
+        current = tl.where(current < tl.load(budget_ptr + b), 0, current)
     offs = blk * BLOCK_P + tl.arange(0, BLOCK_P)
     out_row = out_ptr + b * stride_ob + offs
     dims = tl.arange(0, BLOCK_D)
@@ -280,12 +287,13 @@ def _bound_scores_kernel(q_ptr, kmin_ptr, kmax_ptr, table_ptr, len_ptr, out_ptr,
 
 
 def bound_scores_triton(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, block_tables: torch.Tensor,
-                        cache_lens: torch.Tensor, page_size: int, selection: str) -> torch.Tensor:
+                        cache_lens: torch.Tensor, page_size: int, selection: str,
+                        row_budgets: torch.Tensor | None = None) -> torch.Tensor:
     """Same contract as bound_scores_ref; one program per (request, KV head or all, block of pages)."""
-    return launch_bound_scores(q, kmin, kmax, block_tables, cache_lens, page_size, selection, None)
+    return launch_bound_scores(q, kmin, kmax, block_tables, cache_lens, page_size, selection, None, row_budgets)
 
 
-def launch_bound_scores(q, kmin, kmax, block_tables, cache_lens, page_size, selection, store):
+def launch_bound_scores(q, kmin, kmax, block_tables, cache_lens, page_size, selection, store, row_budgets=None):
     """bound_scores_triton's launch. With `store` = (q before RoPE, k, v, positions, cos_sin_cache,
     k_cache, v_cache, slot_mapping, k_out) the same launch also does that decode step's rope_store
     (with the page bounds) and scores the rotated query, which it writes into `q`
@@ -317,54 +325,66 @@ def launch_bound_scores(q, kmin, kmax, block_tables, cache_lens, page_size, sele
         rq, k, v, k_out, positions, cos_sin, slots, k_cache, v_cache,
         rq.stride(0), rq.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_out.stride(0), k_out.stride(1), cos_sin.stride(0), k_cache.stride(0), k_cache.stride(1),
-        v_cache.stride(0), v_cache.stride(1),
+        v_cache.stride(0), v_cache.stride(1), row_budgets.contiguous() if row_budgets is not None else cache_lens,
         GROUP=Hq // Hkv, KV_PER_PROG=Hkv if shared else 1, PER_QUERY=selection == "query_head",
-        P=int(page_size), HEAD_DIM=D, BLOCK_D=pow2(D), BLOCK_P=BLOCK_PAGES, STORE=store is not None, PDL=on,
+        P=int(page_size), HEAD_DIM=D, BLOCK_D=pow2(D), BLOCK_P=BLOCK_PAGES, STORE=store is not None,
+        PER_ROW=row_budgets is not None, PDL=on,
         num_warps=SCORE_WARPS, **({"launch_pdl": True} if on else {}))
     return out
 
 
-def bound_scores(q, kmin, kmax, block_tables, cache_lens, page_size, selection):
+def bound_scores(q, kmin, kmax, block_tables, cache_lens, page_size, selection, row_budgets=None):
     if use_triton(q):
-        return bound_scores_triton(q, kmin, kmax, block_tables, cache_lens, page_size, selection)
-    return bound_scores_ref(q, kmin, kmax, block_tables, cache_lens, page_size, selection)
+        return bound_scores_triton(q, kmin, kmax, block_tables, cache_lens, page_size, selection, row_budgets)
+    return bound_scores_ref(q, kmin, kmax, block_tables, cache_lens, page_size, selection, row_budgets)
 
 
 # ---------------------------------------------------------------- page selection
 
+DENSE_PAGES = 1 << 30   # a per-row budget no table reaches: the row attends densely
+
+
 def select_pages_ref(scores: torch.Tensor, block_tables: torch.Tensor, cache_lens: torch.Tensor,
-                     page_size: int, budget_pages: int) -> tuple[torch.Tensor, torch.Tensor]:
+                     page_size: int, budget_pages: "int | torch.Tensor") -> tuple[torch.Tensor, torch.Tensor]:
     """The decode view from page scores. scores: [B, G, N] fp32 (-inf where not a candidate),
-    block_tables: [B, N] with N > budget_pages, cache_lens: [B] -> (table [B, G, n] int32,
-    lengths [B, G] int32).
+    block_tables: [B, N], cache_lens: [B]; budget_pages: one page budget n for every row (N > n;
+    the view is [B, G, n] wide) or a [B] int tensor, one per request (>= 2; DENSE_PAGES: dense;
+    the view is [B, G, N] wide, row b's first n_b entries used) -> (table int32, lengths [B, G] int32).
 
     Row (b, g) gets its top n - 1 scored pages in logical order, then the current page; a row of
-    <= n pages gets the first n entries of its table (the length masks the rest). Only static
+    <= n pages gets the first entries of its table (the length masks the rest). Only static
     shapes and tensor ops, so it also runs inside CUDA graphs.
     """
     B, G, N = scores.shape
-    n, P = budget_pages, page_size
+    P = page_size
+    per_row = isinstance(budget_pages, torch.Tensor)
+    n = budget_pages.long().view(B, 1) if per_row else torch.full((B, 1), budget_pages, device=scores.device)
+    width = N if per_row else budget_pages
     ctx = cache_lens.long()
     current = (ctx - 1) // P
     # A row with more than n pages has at least n candidates, so the top n - 1 are all real pages.
     # Ties at the cut go to the earlier page, as in the Triton kernel: a stable sort (topk leaves
     # that choice to the device and picked later pages on CPU).
-    top = scores.sort(dim=-1, descending=True, stable=True).indices[..., :n - 1].sort(dim=-1).values
+    order = scores.sort(dim=-1, descending=True, stable=True).indices
+    rank = torch.arange(N, device=scores.device).view(1, 1, N)
+    chosen = torch.zeros(B, G, N, dtype=torch.bool, device=scores.device).scatter_(
+        2, order, (rank < (n - 1).view(B, 1, 1)).expand(B, G, N))
+    top = torch.where(chosen, rank, N).sort(dim=-1).values[..., :width].clamp(max=N - 1)   # chosen pages, in order
     tables = block_tables.unsqueeze(1).expand(B, G, N)
-    last = block_tables.gather(1, current.clamp(min=0).unsqueeze(1)).unsqueeze(1).expand(B, G, 1)
-    sparse = torch.cat([tables.gather(2, top), last], dim=2)
-    dense = current < n
-    table = torch.where(dense.view(B, 1, 1), tables[:, :, :n], sparse).to(torch.int32).contiguous()
+    last = block_tables.gather(1, current.clamp(min=0).unsqueeze(1)).unsqueeze(1).expand(B, G, width)
+    sparse = torch.where(rank[..., :width] == (n - 1).view(B, 1, 1), last, tables.gather(2, top))
+    dense = current.view(B, 1) < n
+    table = torch.where(dense.view(B, 1, 1), tables[:, :, :width], sparse).to(torch.int32).contiguous()
     # Sparse rows: n - 1 full pages plus the filled part of the current page.
-    lengths = torch.where(dense, ctx, ctx - (current - (n - 1)) * P)
+    lengths = torch.where(dense.view(B), ctx, ctx - (current - (n.view(B) - 1)) * P)
     return table, lengths.to(torch.int32).view(B, 1).expand(B, G).contiguous()
 
 
 @jit
-def _select_pages_kernel(score_ptr, table_ptr, len_ptr, out_ptr, out_len_ptr,
-                         stride_sb, stride_sg, stride_tb, stride_ob, stride_og, N, G,
+def _select_pages_kernel(score_ptr, table_ptr, len_ptr, budget_ptr, out_ptr, out_len_ptr,
+                         stride_sb, stride_sg, stride_tb, stride_ob, stride_og, N, G, width,
                          P: tl.constexpr, NUM_PAGES: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_K: tl.constexpr, PACKED: tl.constexpr, PDL: tl.constexpr):
+                         BLOCK_K: tl.constexpr, PER_ROW: tl.constexpr, PACKED: tl.constexpr, PDL: tl.constexpr):
     # As a programmatic dependent launch (common.pdl) it starts while the scoring kernel drains:
     # the lengths and the block table are the step's inputs, loaded before gdc_wait; the scores
     # and every write come after it.
@@ -376,11 +396,17 @@ def _select_pages_kernel(score_ptr, table_ptr, len_ptr, out_ptr, out_len_ptr,
     current = (ctx - 1) // P
     out_row = out_ptr + b * stride_ob + g * stride_og
     firsts = tl.arange(0, BLOCK_K)
-    if current < NUM_PAGES:   # at most n pages: the first n entries, the length masks the rest
-        page = tl.load(table_ptr + b * stride_tb + firsts, mask=firsts < NUM_PAGES, other=0)
+    # The row's page budget: one for all rows (NUM_PAGES, the view's width), or its own (a
+    # request's SparseParams; DENSE_PAGES: dense), the view then as wide as the table.
+    if PER_ROW:
+        n = tl.load(budget_ptr + b)
+    else:
+        n = NUM_PAGES
+    if current < n:   # at most n pages: the first entries, the length masks the rest
+        page = tl.load(table_ptr + b * stride_tb + firsts, mask=firsts < width, other=0)
         if PDL:
             gdc_wait()
-        tl.store(out_row + firsts, page, mask=firsts < NUM_PAGES)
+        tl.store(out_row + firsts, page, mask=firsts < width)
         tl.store(out_len_ptr + b * G + g, ctx)
         return
     offs = tl.arange(0, BLOCK_N)
@@ -414,7 +440,7 @@ def _select_pages_kernel(score_ptr, table_ptr, len_ptr, out_ptr, out_len_ptr,
     # 3 or 4 cut points a pass counted in one int64 sum (~1.1 / 1.6-2.8 fewer passes; 12.4 / 14.0
     # against 11.0); a multiply and a shift for the int64 divisions (11.2). The scalar work and the
     # wider reductions cost more than the passes they save.
-    k = NUM_PAGES - 1
+    k = n - 1
     top = tl.max(key, 0).to(tl.int64) + 1
     lo = tl.full((), -2147483648, tl.int64)   # int64 scalars: the cut points' arithmetic must not wrap
     hi = top
@@ -465,20 +491,28 @@ def _select_pages_kernel(score_ptr, table_ptr, len_ptr, out_ptr, out_len_ptr,
 
 
 def select_pages_triton(scores: torch.Tensor, block_tables: torch.Tensor, cache_lens: torch.Tensor,
-                        page_size: int, budget_pages: int) -> tuple[torch.Tensor, torch.Tensor]:
+                        page_size: int, budget_pages: "int | torch.Tensor") -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as select_pages_ref; one program per (request, page set)."""
     B, G, N = scores.shape
+    per_row = isinstance(budget_pages, torch.Tensor)
     assert scores.dtype == torch.float32 and scores.stride(-1) == 1 and block_tables.shape == (B, N)
-    assert block_tables.stride(-1) == 1 and cache_lens.shape == (B,) and N > budget_pages >= 2
-    table = torch.empty(B, G, budget_pages, dtype=torch.int32, device=scores.device)
+    assert block_tables.stride(-1) == 1 and cache_lens.shape == (B,)
+    if per_row:
+        assert budget_pages.shape == (B,) and budget_pages.dtype == torch.int32
+        budgets, width = budget_pages.contiguous(), N
+    else:
+        assert N > budget_pages >= 2
+        budgets, width = cache_lens, int(budget_pages)   # (budgets unread)
+    table = torch.empty(B, G, width, dtype=torch.int32, device=scores.device)
     lengths = torch.empty(B, G, dtype=torch.int32, device=scores.device)
     block_n = pow2(N)
     on = pdl()
     _select_pages_kernel[(B, G)](
-        scores, block_tables, cache_lens.to(torch.int32).contiguous(), table, lengths,
-        scores.stride(0), scores.stride(1), block_tables.stride(0), table.stride(0), table.stride(1), N, G,
-        P=int(page_size), NUM_PAGES=int(budget_pages), BLOCK_N=block_n, BLOCK_K=pow2(budget_pages),
-        PACKED=N < PACKED_MAX_PAGES, PDL=on, num_warps=max(4, min(8, block_n // 1024)),   # 8 measured best at N = 8K
+        scores, block_tables, cache_lens.to(torch.int32).contiguous(), budgets, table, lengths,
+        scores.stride(0), scores.stride(1), block_tables.stride(0), table.stride(0), table.stride(1), N, G, width,
+        P=int(page_size), NUM_PAGES=0 if per_row else int(budget_pages), BLOCK_N=block_n, BLOCK_K=pow2(width),
+        PER_ROW=per_row, PACKED=N < PACKED_MAX_PAGES, PDL=on,
+        num_warps=max(4, min(8, block_n // 1024)),   # 8 measured best at N = 8K
         **({"launch_pdl": True} if on else {}))
     return table, lengths
 

@@ -18,7 +18,7 @@ def store_and_score_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, posit
                         cos_sin_cache: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         slot_mapping: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
                         block_tables: torch.Tensor, cache_lens: torch.Tensor, page_size: int, selection: str,
-                        q_out: torch.Tensor, k_out: torch.Tensor) -> torch.Tensor:
+                        q_out: torch.Tensor, k_out: torch.Tensor, row_budgets: torch.Tensor | None = None) -> torch.Tensor:
     """A decode step's rope_store (with the page bounds) and then bound_scores, as one call: q, k, v
     [B, H, D] before RoPE, one token per request; q_out / k_out receive q and k after RoPE (the
     attention's query); returns the scores. The order does not matter to the scores: the page a
@@ -27,20 +27,20 @@ def store_and_score_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, posit
                                   kmin, kmax, page_size)
     q_out.copy_(q_rot)
     k_out.copy_(k_rot)
-    return bound_scores_ref(q_out, kmin, kmax, block_tables, cache_lens, page_size, selection)
+    return bound_scores_ref(q_out, kmin, kmax, block_tables, cache_lens, page_size, selection, row_budgets)
 
 
 def store_and_score_triton(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, kmin, kmax,
-                           block_tables, cache_lens, page_size, selection, q_out, k_out):
+                           block_tables, cache_lens, page_size, selection, q_out, k_out, row_budgets=None):
     """Same contract as store_and_score_ref, in the scoring kernel's one launch."""
     assert kmin.dtype == k_cache.dtype and q_out.shape == q.shape and q_out.stride(-1) == 1
     return launch_bound_scores(q_out, kmin, kmax, block_tables, cache_lens, page_size, selection,
-                               (q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, k_out))
+                               (q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, k_out), row_budgets)
 
 
 def store_and_score(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, kmin, kmax,
-                    block_tables, cache_lens, page_size, selection, q_out, k_out):
+                    block_tables, cache_lens, page_size, selection, q_out, k_out, row_budgets=None):
     fn = store_and_score_triton if use_triton(q) else store_and_score_ref
     return fn(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, kmin, kmax,
-              block_tables, cache_lens, page_size, selection, q_out, k_out)
+              block_tables, cache_lens, page_size, selection, q_out, k_out, row_budgets)
 

@@ -9,7 +9,9 @@ import time
 import uuid
 
 from sparsevllm.engine.async_engine import AsyncLLM
+from sparsevllm.method_registry import request_sparsity
 from sparsevllm.sampling_params import SamplingParams
+from sparsevllm.sparse_params import SparseParams
 from sparsevllm.serve.metrics import prometheus
 from sparsevllm.serve.schema import APIError, ChatRequest, CompletionRequest, error_response, invalid_request
 
@@ -75,10 +77,19 @@ def build_app(llm: AsyncLLM, model_name: str, api_key: str | None = None):
     async def metrics():
         return PlainTextResponse(prometheus(llm, model_name), media_type="text/plain; version=0.0.4")
 
+    cls = engine.config.method
+    mixable = cls.request_knobs is not None and engine.config.tensor_parallel_size == 1
+    # What a request's "sparse" field may choose (a request without one gets `default`).
+    choices = {"default": method,
+               "methods": list(dict.fromkeys([method] + (["vanilla", cls.method_name] if mixable else []))),
+               "knobs": list(cls.request_knobs or ()) if mixable else []}
+    if method == "auto":
+        choices.update(auto_method=cls.method_name, auto_dense_below=engine.config.auto_dense_below)
+
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": int(llm.stats.started),
-                                            "owned_by": "sparsevllm", "sparse_method": method,
+                                            "owned_by": "sparsevllm", "sparse_method": method, "sparse": choices,
                                             "max_model_len": engine.config.max_model_len}]}
 
     def sampling(req: CompletionRequest | ChatRequest, max_tokens: int, logprobs: int | None) -> SamplingParams:
@@ -86,6 +97,17 @@ def build_app(llm: AsyncLLM, model_name: str, api_key: str | None = None):
             raise APIError(404, f"model {req.model!r} is not served here; this server serves {model_name!r}",
                            "model", "not_found_error")
         return req.params(max_tokens, logprobs)
+
+    def sparse_params(req: CompletionRequest | ChatRequest) -> SparseParams | None:
+        """The request's SparseParams, checked against the engine here: a bad one is a 400 naming
+        "sparse", not a request that fails after it was accepted."""
+        sparse = req.sparse_params()
+        if sparse is not None:
+            try:
+                request_sparsity(engine.config, sparse, 0, name="sparse")
+            except (ValueError, TypeError) as e:
+                raise APIError(400, str(e), "sparse") from None
+        return sparse
 
     async def first_output(gen):
         """The first snapshot; a request the engine refused (prompt too long, ...) is a 400."""
@@ -171,7 +193,7 @@ def build_app(llm: AsyncLLM, model_name: str, api_key: str | None = None):
             prompt = prompt[0]
         if isinstance(prompt, str) and tokenizer is None:
             raise APIError(400, "this model has no tokenizer: send the prompt as token ids", "prompt")
-        gen = llm.generate(prompt, params)
+        gen = llm.generate(prompt, params, sparse_params(req))
         first = await first_output(gen)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         echo = ""
@@ -219,7 +241,7 @@ def build_app(llm: AsyncLLM, model_name: str, api_key: str | None = None):
         if max_tokens is None:   # OpenAI's and vLLM's chat default: the rest of the context, not 16
             max_tokens = max(1, engine.config.max_model_len - len(prompt))
         params = sampling(req, max_tokens, k)
-        gen = llm.generate(prompt, params)
+        gen = llm.generate(prompt, params, sparse_params(req))
         first = await first_output(gen)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
 

@@ -6,6 +6,7 @@ an integer, a bool is neither; a JSON integer is a number. Values (ranges, an em
 left to SamplingParams itself, so the server refuses exactly what the Python API refuses.
 """
 from sparsevllm.sampling_params import SamplingParams, SamplingParamsError
+from sparsevllm.sparse_params import SparseParams, SparseParamsError
 
 try:
     from fastapi.exceptions import RequestValidationError
@@ -75,6 +76,9 @@ class _Sampling(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    # Sparsity of this request (the openai client's extra_body): {"method": ..., "<knob>": ...}, as
+    # SparseParams; checked against the engine by the route (a 400 naming "sparse").
+    sparse: dict | None = None
 
     def params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         """The request's SamplingParams; a value SamplingParams refuses is a 400 naming its field."""
@@ -89,6 +93,15 @@ class _Sampling(_Strict):
                 logprobs=logprobs)
         except SamplingParamsError as e:
             raise APIError(400, str(e), self._request_field(e.field)) from None
+
+    def sparse_params(self) -> SparseParams | None:
+        """The request's SparseParams (types only; the engine's checks come after); a bad one is a 400."""
+        if self.sparse is None:
+            return None
+        try:
+            return SparseParams(**self.sparse)
+        except SparseParamsError as e:
+            raise APIError(400, f"sparse: {e}", "sparse") from None
 
     def _request_field(self, name: str) -> str:
         """The request field a SamplingParams field comes from."""

@@ -46,6 +46,11 @@ class CacheManager:
     prefill_policy: str = "chunked"          # or "full_prompt": the method needs the whole prompt in one step
     capabilities: Capabilities = Capabilities()
     method_name: str = "base"                # the registry name, set by each method
+    # The knobs a request may set for itself (SparseParams; its budget), read through
+    # `request_config(seq)`; () : none, but a request may still choose "vanilla" (a dense row in the
+    # same batch). None: the method takes no per-request sparsity at all (it owns its pool's layout:
+    # DeltaKV, HiSparse), and a request asking for any is refused when it arrives.
+    request_knobs: tuple[str, ...] | None = None
     # What metrics["attention_recall"] means for this method (docs/design.md, section 10).
     recall_definition: str = ("dense: every layer attends every token the request holds; recall 1.0 and "
                               "output error 0.0 exactly, no layer is measured")
@@ -120,6 +125,11 @@ class CacheManager:
         a prompt that exactly fills the pool with max_tokens=1 fits."""
         last = min(num_prompt_tokens + max_tokens, self.config.max_model_len)
         return num_tokens + 1 if num_tokens + 1 < last else num_tokens
+
+    def request_config(self, seq: Sequence) -> MethodConfig | None:
+        """The knobs seq decodes with: its own (SparseParams, resolved when it arrived), the engine's
+        when it has none, or None where it decodes densely (it chose vanilla, or "auto" did)."""
+        return self.method_config if seq.sparse is None else seq.sparse.config
 
     def seq_admit_len(self, seq: Sequence) -> int:
         return self.admit_len(len(seq), seq.num_prompt_tokens, seq.params.max_tokens)

@@ -92,6 +92,7 @@ class OmniKVCacheManager(CacheManager):
     # ranks before top-k, so every rank attends the same tokens.
     capabilities = Capabilities(tensor_parallel=True, dense_decode=False)
     config_cls = OmniKVConfig
+    request_knobs = ("omnikv_num_selected",)   # prompt tokens kept per request: omnikv_keep, a decode extra
     recall_definition = ("exact: per sparse layer, the share of the dense softmax mass (every token the request "
                          "holds, per query head, averaged over heads) on the filter layer's selected prompt tokens "
                          "and every generated token; dense and filter layers are not measured")
@@ -129,9 +130,16 @@ class OmniKVCacheManager(CacheManager):
     def on_step_begin(self, step: StepState) -> None:
         if not step.is_prefill:
             plens = [s.num_prompt_tokens for s in step.seqs]
-            both = to_device(np.array([plens, [self.method_config.num_kept(n) for n in plens]], dtype=np.int32),
+            both = to_device(np.array([plens, [self.num_kept(s) for s in step.seqs]], dtype=np.int32),
                              self.device, torch.int32)
             step.extras["omnikv_prompt_lens"], step.extras["omnikv_keep"] = both[0], both[1]
+
+    def num_kept(self, seq) -> int:
+        """Prompt tokens seq's sparse layers keep: by its own omnikv_num_selected (SparseParams) or the
+        engine's; all of them for a request that decodes densely (its view then holds every token, in
+        order: vanilla's attention)."""
+        knobs = self.request_config(seq)
+        return seq.num_prompt_tokens if knobs is None else knobs.num_kept(seq.num_prompt_tokens)
 
     def graph_extras(self, max_batch_size: int) -> dict[str, torch.Tensor]:
         # Padding rows: a one-token prompt, one token kept.

@@ -51,7 +51,7 @@ from sparsevllm.distributed import combine_shared_scores
 from sparsevllm.engine.cache_manager.base import CacheManager, Capabilities
 from sparsevllm.engine.staging import to_device
 from sparsevllm.engine.step import DecodeView, StepState, StoreTarget
-from sparsevllm.kernels.page_select import SELECTIONS, bound_scores, page_bounds, select_pages
+from sparsevllm.kernels.page_select import DENSE_PAGES, SELECTIONS, bound_scores, page_bounds, select_pages
 from sparsevllm.kernels.quest import store_and_score
 from sparsevllm.kernels.rope_store import rope_store
 from sparsevllm.models.config import ModelConfig
@@ -94,6 +94,7 @@ class QuestCacheManager(CacheManager):
     # every rank's heads (one all-reduce per sparse layer) so all ranks pick the same pages.
     capabilities = Capabilities(tensor_parallel=True, dense_decode=False)
     config_cls = QuestConfig
+    request_knobs = ("quest_token_budget",)   # a page budget per request: a decode extra, one per row
     recall_definition = ("exact: per sparse layer, the share of the dense softmax mass (every token the request "
                          "holds, per query head, averaged over heads) on the selected pages; layers below "
                          "quest_skip_layers and requests within the page budget are dense and not measured")
@@ -102,7 +103,7 @@ class QuestCacheManager(CacheManager):
         super().__init__(*args)
         knobs = self.method_config
         self.skip_layers = knobs.quest_skip_layers
-        self.budget_pages = max(3, knobs.quest_token_budget // self.page_size)
+        self.budget_pages = max(3, knobs.quest_token_budget // self.page_size)   # the engine's; a request may set its own
         self.selection = knobs.quest_selection
         self.fused_store = FUSED_STORE and self.kv_dtype == self.dtype   # the fused launch writes no FP8 scales
         # Indexed [layer, physical page, KV head, channel]; min/max of stored values are exact in
@@ -141,16 +142,33 @@ class QuestCacheManager(CacheManager):
         acc["metadata_bytes"] = self.kmin.nbytes + self.kmax.nbytes
         return acc
 
+    def budget_pages_of(self, seq) -> int:
+        """seq's page budget: its own quest_token_budget (SparseParams) or the engine's; DENSE_PAGES
+        for a request that decodes densely (it chose vanilla, or "auto" did)."""
+        knobs = self.request_config(seq)
+        return DENSE_PAGES if knobs is None else max(3, knobs.quest_token_budget // self.page_size)
+
     def on_step_begin(self, step: StepState) -> None:
         if step.is_prefill:   # per page the step writes into, the slot of the last token it writes there
             slots = [self.last_slots(seq, n)[1] for seq, n in zip(step.seqs, step.num_tokens)]
             step.extras["quest_last_slots"] = to_device(np.concatenate(slots), self.device)
+            return
+        # Each row's own page budget: requests of different budgets (and dense ones) in one selection.
+        budgets = [self.budget_pages_of(seq) for seq in step.seqs]
+        step.extras["quest_budget_pages"] = to_device(np.array(budgets, dtype=np.int32), self.device, torch.int32)
+        step.scratch["quest.min_budget_pages"] = min(budgets)
+
+    def graph_extras(self, max_batch_size: int) -> dict[str, torch.Tensor]:
+        # Padding rows (length 1) are within any budget.
+        return {"quest_budget_pages": torch.full((max_batch_size,), 3, dtype=torch.int32, device=self.device)}
 
     def _scores(self, layer_id: int, step: StepState) -> bool:
-        """Whether this decode layer scores pages: a sparse layer whose table is wider than the budget
-        (a static-shape test: in CUDA graphs the table width is max_model_len / P)."""
+        """Whether this decode layer scores pages: a sparse layer whose table is wider than the
+        smallest budget of the step's rows (else every row is within its budget: dense). Under CUDA
+        graphs the table is max_model_len / P wide and the captured step has no budgets on the host:
+        it always scores (a static-shape test)."""
         return (not step.is_prefill and layer_id >= self.skip_layers
-                and step.block_tables.shape[1] > self.budget_pages)
+                and step.block_tables.shape[1] > step.scratch.get("quest.min_budget_pages", 3))
 
     def store_kv(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  cos_sin_cache: torch.Tensor, step: StepState) -> tuple[torch.Tensor, torch.Tensor]:
@@ -164,7 +182,8 @@ class QuestCacheManager(CacheManager):
             q_out, k_out = torch.empty_like(q), torch.empty_like(k)
             step.scratch[f"quest.{layer_id}"] = store_and_score(
                 q, k, v, step.positions, cos_sin_cache, k_cache, v_cache, step.slot_mapping, self.kmin[i],
-                self.kmax[i], step.block_tables, step.cache_lens, self.page_size, self.selection, q_out, k_out)
+                self.kmax[i], step.block_tables, step.cache_lens, self.page_size, self.selection, q_out, k_out,
+                step.extras["quest_budget_pages"])
             return q_out, k_out
         # Decode writes one token per request into a page no other request writes: the write
         # itself folds the new key into its page's min/max (the page's first slot resets them).
@@ -204,11 +223,11 @@ class QuestCacheManager(CacheManager):
         scores = step.scratch.pop(f"quest.{layer_id}", None)   # store_kv's fused launch scored the pages
         if scores is None:
             scores = bound_scores(q, self.kmin[i], self.kmax[i], step.block_tables, step.cache_lens,
-                                  self.page_size, self.selection)
+                                  self.page_size, self.selection, step.extras["quest_budget_pages"])
         if self.selection == "shared":
             scores = combine_shared_scores(scores, op="sum")   # the sum over every rank's heads (-inf stays -inf)
         table, lengths = select_pages(scores, step.block_tables, step.cache_lens, self.page_size,
-                                      self.budget_pages)
+                                      step.extras["quest_budget_pages"])
         k_cache, v_cache = self.pool.layer(layer_id)
         k_scale, v_scale = self.pool.scales(layer_id)
         return DecodeView(k_cache, v_cache, table, lengths, self.page_size, k_scale=k_scale, v_scale=v_scale)

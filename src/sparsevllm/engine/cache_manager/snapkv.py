@@ -105,6 +105,7 @@ class SnapKVCacheManager(CacheManager):
     # on page counts and refcounts, which every rank replays identically (see tensor_parallel.py).
     capabilities = Capabilities(tensor_parallel=True)
     config_cls = SnapKVConfig
+    request_knobs = ("snapkv_capacity",)   # compaction is per request, on the host: its own C
     recall_definition = ("at compaction time (decode attends every token it keeps and is not measured): per layer, "
                          "the observation window's queries' share of their softmax mass over the whole prompt "
                          "(causal, per query head, averaged over heads and window queries) on the tokens kept "
@@ -134,8 +135,15 @@ class SnapKVCacheManager(CacheManager):
                        output_len: int) -> int | None:
         return None   # the peak depends on when eviction runs relative to the other requests' prefill
 
+    def capacity_of(self, seq: Sequence) -> int | None:
+        """seq's capacity C: its own snapkv_capacity (SparseParams) or the engine's; None for a
+        request that decodes densely (it chose vanilla, or "auto" did): it is never compacted."""
+        knobs = self.request_config(seq)
+        return None if knobs is None else knobs.snapkv_capacity
+
     def _evicts(self, seq: Sequence) -> bool:
-        return seq.num_prompt_tokens > self.capacity
+        capacity = self.capacity_of(seq)
+        return capacity is not None and seq.num_prompt_tokens > capacity
 
     # ---- scheduler-facing ------------------------------------------------------------------------
     def chunk_size(self, seq: Sequence, max_tokens: int) -> int:
@@ -168,7 +176,7 @@ class SnapKVCacheManager(CacheManager):
             return False
         if not self._evicts(seq):
             return True
-        after = self.capacity + self.seq_admit_len(seq) - seq.num_prompt_tokens   # admit_len: + 1 if it decodes
+        after = self.capacity_of(seq) + self.seq_admit_len(seq) - seq.num_prompt_tokens   # admit_len: + 1 if it decodes
         return self.pages_for(after) <= self.allocator.num_free
 
     def _shortfall(self, seq: Sequence, new_pages: int = 0) -> int:
@@ -176,7 +184,7 @@ class SnapKVCacheManager(CacheManager):
         pages and releases the prompt's, but a page it shares (a prefix hit held by a live request,
         or one a later request of the step hits) stays taken."""
         own = sum(1 for page in self.tables[seq.seq_id] if self.allocator.refcount[page] == 1) + new_pages
-        return max(0, self.pages_for(self.capacity) - own)
+        return max(0, self.pages_for(self.capacity_of(seq)) - own)
 
     def reserve(self, seq: Sequence, num_new_tokens: int) -> bool:
         """The base rule, and the pages the compactions of this step need stay free: a chunk that
@@ -242,7 +250,7 @@ class SnapKVCacheManager(CacheManager):
             scores = window_scores(q[c.row_end - c.window:c.row_end], k_cache, step.block_tables[c.index],
                                    c.seq.num_prompt_tokens, self.page_size, self.scale, self.pool.scales(layer_id)[0])
             # Select now rather than at step end: [H_kv, C] indices per layer instead of [H_kv, L] scores.
-            c.kept.append(select_kept(scores, c.window, self.capacity, self.kernel_size, self.pooling))
+            c.kept.append(select_kept(scores, c.window, self.capacity_of(c.seq), self.kernel_size, self.pooling))
             if step.recall is not None:
                 c.recall.append(self._window_recall(layer_id, q[c.row_end - c.window:c.row_end],
                                                     step.block_tables[c.index], c.seq.num_prompt_tokens, c.kept[-1]))

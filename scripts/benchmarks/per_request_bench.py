@@ -1,0 +1,100 @@
+"""Decode speed of per-request sparsity (issue #51) on one card, against the homogeneous runs it mixes.
+
+    python scripts/benchmarks/per_request_bench.py mixed [LENGTH]   # QuEST x 2 + vanilla x 2 in one batch
+    python scripts/benchmarks/per_request_bench.py auto [LENGTH] [BATCH]   # "auto" against vanilla, short prompts
+
+Llama-3.1-8B shape (PRESET=<name> for another preset), random bf16 weights, CUDA graphs, overlapped
+scheduling, output 256, default QuEST knobs; the measurement of ab_decode.py (bench_case.timing_metrics'
+stable window; the requests of a run share one prompt, prefilled once by a warm-up request, so a case
+costs one long prefill an engine). One ROW json line per run.
+
+mixed: a vanilla engine runs 2 requests (vanilla x 2); a QuEST engine runs 2 (quest x 2), then 2 + 2
+with SparseParams(method="vanilla") on two of them (mixed), then 2 vanilla rows alone (vanilla rows in
+the QuEST engine, for the record). The mixed step does what the two homogeneous steps do apart, so the
+tok/s predicted from them is 4 / (2 / quest + 2 / vanilla); the ROW "mixed_over_predicted" is the
+issue's target (>= 0.95).
+auto: the same BATCH x LENGTH prompts (LENGTH below auto_dense_below: every request a dense row) in
+a vanilla engine and an "auto" engine of the same knobs; the target is auto within 2% of vanilla.
+"""
+import argparse
+import gc
+import json
+import os
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__))))
+import torch  # noqa: E402
+from bench_case import make_prompts, timing_metrics  # noqa: E402
+from sparsevllm import LLM, SamplingParams, SparseParams  # noqa: E402
+
+OUTPUT = 256
+ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+ap.add_argument("case", choices=["mixed", "auto"])
+ap.add_argument("length", type=int, nargs="?", default=None)
+ap.add_argument("batch", type=int, nargs="?", default=32)
+args = ap.parse_args()
+cfg = json.load(open(os.path.join("src/sparsevllm/presets", os.environ.get("PRESET", "llama-3.1-8b") + ".json")))
+mdir = tempfile.mkdtemp()
+json.dump(cfg, open(os.path.join(mdir, "config.json"), "w"))
+length = args.length or (128000 if args.case == "mixed" else 4096)
+batch = 4 if args.case == "mixed" else args.batch
+DECODE = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=OUTPUT)
+
+
+def engine(method: str):
+    llm = LLM(mdir, vllm_sparse_method=method, load_format="dummy", max_num_seqs=batch,
+              max_model_len=length + OUTPUT + 64, chunk_prefill_size=8192, max_num_batched_tokens=16384)
+    warm = make_prompts(cfg, batch, 256, seed=10_000)   # compiles and captures outside the timing
+    llm.generate(warm, SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=48), use_tqdm=False)
+    prompt = make_prompts(cfg, 1, length, seed=0)[0]
+    llm.generate([prompt], SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=1), use_tqdm=False)
+    return llm, prompt
+
+
+def run(llm, prompt, name: str, sparse: list) -> dict:
+    start = time.perf_counter()
+    outs = llm.generate([prompt] * len(sparse), DECODE, use_tqdm=False, sparse_params=sparse)
+    assert all(o.error is None for o in outs), [o.error for o in outs]
+    ms = [o.metrics for o in outs]
+    m = timing_metrics(start, [x["first_token_time"] for x in ms], [x["finish_time"] for x in ms],
+                       [x["token_times"] for x in ms], len(sparse), length)
+    row = dict(case=name, engine=llm.config.vllm_sparse_method, length=length, batch=len(sparse),
+               mode=llm.execution_mode, decode_tok_s=m["decode_tok_s"], itl_p50_ms=m["itl_p50_ms"],
+               itl_p99_ms=m["itl_p99_ms"], sparse=[x["sparse"]["method"] for x in ms],
+               device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")
+    print("ROW", json.dumps(row), flush=True)
+    return row
+
+
+def close(llm):
+    llm.shutdown()
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+if args.case == "mixed":
+    llm, prompt = engine("vanilla")
+    vanilla = run(llm, prompt, "vanilla x 2 (vanilla engine)", [None, None])
+    close(llm)
+    llm, prompt = engine("quest")
+    quest = run(llm, prompt, "quest x 2", [None, None])
+    dense = SparseParams(method="vanilla")
+    mixed = run(llm, prompt, "quest x 2 + vanilla x 2", [None, dense, None, dense])
+    run(llm, prompt, "vanilla rows x 2 (quest engine)", [dense, dense])
+    close(llm)
+    predicted = 4 / (2 / quest["decode_tok_s"] + 2 / vanilla["decode_tok_s"])
+    print("ROW", json.dumps(dict(case="mixed vs predicted", predicted_tok_s=predicted,
+                                 mixed_tok_s=mixed["decode_tok_s"],
+                                 mixed_over_predicted=mixed["decode_tok_s"] / predicted)), flush=True)
+else:
+    rows = {}
+    for method in ("vanilla", "auto"):
+        llm, prompt = engine(method)
+        rows[method] = run(llm, prompt, f"{method} {batch} x {length}", [None] * batch)
+        close(llm)
+    print("ROW", json.dumps(dict(case="auto vs vanilla",
+                                 auto_over_vanilla=rows["auto"]["decode_tok_s"] / rows["vanilla"]["decode_tok_s"])),
+          flush=True)
