@@ -20,6 +20,9 @@ from method_knobs import METHOD_KNOBS  # noqa: E402
 from sparsevllm import LLM, SamplingParams, SparseParams  # noqa: E402
 from sparsevllm.engine.sequence import Sequence  # noqa: E402
 from sparsevllm.kernels import decode_attention as da  # noqa: E402
+from sparsevllm.kernels import omnikv as okv  # noqa: E402
+from sparsevllm.kernels import page_select as psel  # noqa: E402
+from sparsevllm.kernels import token_select as tsel  # noqa: E402
 from sparsevllm.method_registry import make_config, request_sparsity  # noqa: E402
 
 CUDA = torch.cuda.is_available()
@@ -239,6 +242,62 @@ def test_token_scores_of_a_view_per_kv_head_equal_the_shared_view_they_repeat(dt
     keys = k_cache[per_head[2, 1, :40].long(), 1].float()            # row 2, KV head 1: its own tokens
     logits = (q[2, 2:].float() @ keys.T * 0.2).amax(0)
     torch.testing.assert_close(want[2, 1, :40], logits, atol=1e-3, rtol=1e-3)
+
+
+@pytest.mark.skipif(CUDA, reason="interpreter test runs on CPU-only machines")
+def test_selection_kernels_give_rows_of_other_methods_length_0():
+    """A hosted method sees the other methods' rows with cache length 0: its selection kernels
+    (QuEST's bound scores and page selection, OmniKV's scores and token selection) must give
+    them an empty view, Triton (interpreted) as the reference, and the other rows as unmasked."""
+    g = torch.Generator().manual_seed(11)
+    B, Hq, Hkv, D, N, P = 4, 4, 2, 16, 12, 4
+    q = torch.randn(B, Hq, D, generator=g)
+    k_cache = torch.randn(64 * P, Hkv, D, generator=g)
+    kmin = torch.randn(64, Hkv, D, generator=g)
+    kmax = kmin + torch.rand(64, Hkv, D, generator=g)
+    bt = torch.randperm(64, generator=g)[:B * N].view(B, N).int()
+    full = torch.tensor([45, 30, 47, 20], dtype=torch.int32)
+    masked = torch.tensor([45, 0, 47, 0], dtype=torch.int32)   # rows 1 and 3 are another method's
+    budgets = torch.tensor([3, psel.DENSE_PAGES, 4, psel.DENSE_PAGES], dtype=torch.int32)
+    for fn in (psel.bound_scores_ref, psel.bound_scores_triton):
+        scores = fn(q, kmin, kmax, bt, masked, P, "kv_head", budgets)
+        for select in (psel.select_pages_ref, psel.select_pages_triton):
+            table, lengths = select(scores, bt, masked, P, budgets)
+            assert lengths[[1, 3]].eq(0).all()
+            want_t, want_l = psel.select_pages_ref(psel.bound_scores_ref(q, kmin, kmax, bt, full, P, "kv_head", budgets),
+                                                   bt, full, P, budgets)
+            assert torch.equal(lengths[[0, 2]], want_l[[0, 2]])
+            for b in (0, 2):
+                for h in range(Hkv):
+                    used = -(-int(want_l[b, h]) // P)
+                    assert torch.equal(table[b, h, :used], want_t[b, h, :used])
+    prompt = torch.tensor([40, 25, 44, 16], dtype=torch.int32)
+    keep = torch.tensor([8, 25, 5, 16], dtype=torch.int32)
+    scores = okv.omnikv_scores_ref(q, k_cache, bt, masked, prompt, P, 0.25, "last")
+    torch.testing.assert_close(okv.omnikv_scores_triton(q, k_cache, bt, masked, prompt, P, 0.25, "last"), scores)
+    assert torch.isinf(scores[[1, 3]]).all()
+    for select in (tsel.select_tokens_ref, tsel.select_tokens_triton):
+        table, lengths = select(scores, keep, bt, masked, prompt, P)
+        want_t, want_l = tsel.select_tokens_ref(okv.omnikv_scores_ref(q, k_cache, bt, full, prompt, P, 0.25, "last"),
+                                                keep, bt, full, prompt, P)
+        assert lengths.view(-1).tolist() == [int(want_l[0]), 0, int(want_l[2]), 0]
+        for b in (0, 2):
+            assert torch.equal(table[b, 0, :int(want_l[b])], want_t[b, 0, :int(want_l[b])])
+
+
+def test_recall_in_a_mixed_engine_measures_each_row_by_its_method(tiny_model):
+    """recall_sample_every: merged recall views; tokens unchanged, sparse rows measured, vanilla rows 1.0."""
+    model = tiny_model(num_hidden_layers=3)
+    ps, sparse, _ = mixed_case()
+    plain = LLM(model, "quest", mixed_methods=MIXED, **BASE, **launch_knobs())
+    want = ids(plain.generate(ps, GREEDY, use_tqdm=False, sparse_params=sparse))
+    llm = LLM(model, "quest", mixed_methods=MIXED, **BASE, **launch_knobs(), recall_sample_every=2)
+    outs = llm.generate(ps, GREEDY, use_tqdm=False, sparse_params=sparse)
+    assert ids(outs) == want and llm.engine.cache_manager.allocator.is_idle()
+    recall = [o.metrics["attention_recall"] for o in outs]
+    assert recall[0]["mean"] == 1.0 and recall[0]["output_rel_error"] == 0.0          # vanilla
+    for i in (1, 2, 3, 4):                                                              # QuEST, OmniKV rows
+        assert 0.0 < recall[i]["mean"] < 1.0 and recall[i]["sampled_steps"] > 0, (i, recall[i])
 
 
 # ---------------------------------------------------------------- GPU: under CUDA graphs
