@@ -151,7 +151,7 @@ def test_a_bad_per_request_knob_fails_alone_naming_it(tiny_model):
         make_config(model, "quest", page_size=4, quest_token_budget=2)
     assert errors[0] == f"sparse_params: {launch.value}" and "quest_token_budget=2 is invalid" in errors[0]
     assert "sparse_params.method='snapkv'" in errors[1] and "runs vllm_sparse_method='quest'" in errors[1] \
-        and "mixing two different sparse methods" in errors[1]
+        and "mixed_methods=['snapkv']" in errors[1]
     assert "'quest_skip_layers' cannot be set per request" in errors[2] and "quest_token_budget" in errors[2]
     assert "vanilla' takes no knobs" in errors[3]
     assert "unknown knob 'quest_token_bugdet'" in errors[4] and "did you mean 'quest_token_budget'" in errors[4]

@@ -188,7 +188,7 @@ def validate(args) -> dict:
         cfg = make_config(model=None if is_preset else args.model_path, vllm_sparse_method=m, **per_method[m])
         configs[m] = cfg
         resolved[m] = {**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)
-                          if f.name not in ("method_config", "method")},
+                          if f.name not in ("method_config", "method", "hosted")},
                        **dataclasses.asdict(cfg.method_config)}
 
     max_len = knobs.get("max_model_len") or model_cfg.get("max_position_embeddings")

@@ -78,9 +78,17 @@ class EngineConfig(Knobs):
     # decodes densely, a longer one with auto_method (its knobs: the method's, given at launch).
     auto_dense_below: int = 8192
     auto_method: str = "quest"
+    # More methods a request may choose (SparseParams.method) besides vllm_sparse_method's and
+    # "vanilla": each gets a cache manager of its own over the engine's one pool, and requests of
+    # every hosted method decode in the same batch (docs/design.md, section 11). None: only those two.
+    mixed_methods: list[str] | None = None
     method_config: MethodConfig = field(default_factory=MethodConfig, repr=False)
-    # The cache-manager class registered as vllm_sparse_method: looked up once, by make_config.
+    # The cache-manager class the engine builds: vllm_sparse_method's (auto_method's for "auto"),
+    # or, with mixed_methods, the composite over every hosted method. Looked up once, by make_config.
     method: type | None = field(default=None, repr=False)
+    # Every sparse method a request of this engine may decode with -> (its class, its knobs as
+    # launched): vllm_sparse_method's (auto_method's) and mixed_methods'. Set by make_config.
+    hosted: dict = field(default_factory=dict, repr=False)
 
     def validate(self) -> None:
         self.method_config.validate(self)  # first: a method may dictate an engine knob (its page size)
@@ -116,5 +124,5 @@ class EngineConfig(Knobs):
 
 
 ENGINE_KNOBS = [f.name for f in fields(EngineConfig)
-                if f.name not in ("model", "vllm_sparse_method", "method_config", "method")]
+                if f.name not in ("model", "vllm_sparse_method", "method_config", "method", "hosted")]
 AUTO_KNOBS = ("auto_dense_below", "auto_method")   # engine knobs of vllm_sparse_method="auto" only

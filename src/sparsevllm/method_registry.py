@@ -32,6 +32,8 @@ REGISTRY = {
 # vllm_sparse_method="auto" is no method of its own: the engine runs auto_method's cache manager,
 # whose per-request budgets make a short request a dense row (request_sparsity below).
 AUTO = "auto"
+# An engine with mixed_methods builds this composite: one manager per hosted method over one pool.
+MIXED = "sparsevllm.engine.cache_manager.mixed:MixedCacheManager"
 
 
 def available_methods() -> list[str]:
@@ -41,7 +43,11 @@ def available_methods() -> list[str]:
 def get_method(name: str) -> "type[CacheManager]":
     if not isinstance(name, str) or name not in REGISTRY:
         raise ValueError(f"unknown vllm_sparse_method {name!r}; registered methods: {', '.join(sorted(REGISTRY))}")
-    module, cls = REGISTRY[name].split(":")
+    return get_class(REGISTRY[name])
+
+
+def get_class(path: str) -> type:
+    module, cls = path.split(":")
     return getattr(importlib.import_module(module), cls)
 
 
@@ -56,7 +62,8 @@ def method_knob_owners() -> dict[str, str]:
 
 def make_config(model: str | None = None, vllm_sparse_method: str | None = None, **knobs) -> EngineConfig:
     """Split flat knobs into engine and method config and validate both; loads nothing.
-    `sparse_method` is an alias of `vllm_sparse_method`; giving both with different values is an error."""
+    `sparse_method` is an alias of `vllm_sparse_method`; giving both with different values is an error.
+    With mixed_methods the engine hosts those methods too, and takes every hosted method's knobs."""
     if "sparse_method" in knobs:
         alias = knobs.pop("sparse_method")
         if vllm_sparse_method is not None and vllm_sparse_method != alias:
@@ -75,29 +82,78 @@ def make_config(model: str | None = None, vllm_sparse_method: str | None = None,
             if knob in knobs:
                 raise ValueError(f"knob {knob!r} belongs to vllm_sparse_method='auto', but vllm_sparse_method="
                                  f"{method_cls.method_name!r}")
-    own = set(method_cls.config_cls.knob_names())
+    mixed = mixed_classes(knobs.get("mixed_methods"), method_cls, knobs.get("tensor_parallel_size", 1))
+    hosted = ([method_cls] if method_cls.method_name != "vanilla" else []) + mixed
+    own = {knob: cls.method_name for cls in hosted for knob in cls.config_cls.knob_names()}
     owners = method_knob_owners()
-    engine_kw, method_kw = {}, {}
+    engine_kw, method_kw = {}, {cls.method_name: {} for cls in hosted}
     for key, value in knobs.items():
         if key in ENGINE_KNOBS:
             engine_kw[key] = value
         elif key in own:
-            method_kw[key] = value
+            method_kw[own[key]][key] = value
         elif key in owners:
-            raise ValueError(f"knob {key!r} belongs to method {owners[key]!r}, "
-                             f"but vllm_sparse_method={method_cls.method_name!r}")
+            runs = f"vllm_sparse_method={method_cls.method_name!r}"
+            if mixed:
+                runs += f" with mixed_methods={[c.method_name for c in mixed]!r}"
+            raise ValueError(f"knob {key!r} belongs to method {owners[key]!r}, but {runs}")
         else:
             known = ENGINE_KNOBS + sorted(owners)
             close = difflib.get_close_matches(key, known, n=1)
             hint = f"; did you mean {close[0]!r}?" if close else f"; valid knobs: {', '.join(known)}"
             raise ValueError(f"unknown knob {key!r}{hint}")
+    configs = {cls.method_name: cls.config_cls(**method_kw[cls.method_name]) for cls in hosted}
+    method_config = configs.get(method_cls.method_name) or method_cls.config_cls()
     cfg = EngineConfig(model=model, vllm_sparse_method=AUTO if auto else method_cls.method_name,
-                       method_config=method_cls.config_cls(**method_kw), method=method_cls, **engine_kw)
+                       method_config=method_config, method=get_class(MIXED) if mixed else method_cls,
+                       hosted={cls.method_name: (cls, configs[cls.method_name]) for cls in hosted}, **engine_kw)
+    for cls in mixed:   # before the engine's checks: a method may dictate an engine knob (QuEST's page size)
+        configs[cls.method_name].validate(cfg)
     cfg.validate()
-    if cfg.kv_cache_dtype != "auto" and not method_cls.capabilities.fp8_kv_cache:
-        raise ValueError(f"kv_cache_dtype={cfg.kv_cache_dtype!r} is not supported by vllm_sparse_method="
-                         f"{method_cls.method_name!r} yet; valid: auto")
+    for cls in [method_cls] + mixed:
+        if cfg.kv_cache_dtype != "auto" and not cls.capabilities.fp8_kv_cache:
+            raise ValueError(f"kv_cache_dtype={cfg.kv_cache_dtype!r} is not supported by vllm_sparse_method="
+                             f"{cls.method_name!r} yet; valid: auto")
+    quest = cfg.hosted.get("quest")
+    if mixed and "omnikv" in cfg.hosted and quest is not None and quest[1].quest_selection == "query_head":
+        # A mixed layer's one decode view is per KV head at most where an OmniKV filter layer's
+        # attention reports its token scores (one writer per KV head and token).
+        raise ValueError("quest_selection='query_head' cannot be mixed with omnikv (mixed_methods): a mixed "
+                         "decode view that reports OmniKV's token scores is per KV head at most; valid here: "
+                         "kv_head | shared")
     return cfg
+
+
+def mixable() -> list[str]:
+    """The sparse methods one engine may host together (over one paged pool): those taking per-request sparsity."""
+    return [n for n, c in methods().items() if c.request_knobs is not None and n != "vanilla"]
+
+
+def mixed_classes(names, method_cls, tensor_parallel_size) -> "list[type[CacheManager]]":
+    """mixed_methods' classes, the engine's own method and vanilla left out (always hosted)."""
+    if names is None:
+        return []
+    valid = f"None or a list of {' | '.join(mixable())} (vanilla and vllm_sparse_method's are always hosted)"
+    if not isinstance(names, (list, tuple)) or not all(isinstance(n, str) for n in names):
+        raise ValueError(f"mixed_methods={names!r} is invalid; valid: {valid}")
+    out = []
+    for name in names:
+        if name in ("vanilla", method_cls.method_name):
+            continue
+        if name not in mixable():
+            why = "it owns its KV pool's layout, which other methods cannot share" if name in REGISTRY else \
+                "it is no registered method"
+            raise ValueError(f"mixed_methods={names!r} is invalid: {name!r} cannot be mixed ({why}); valid: {valid}")
+        cls = get_method(name)
+        if cls not in out:
+            out.append(cls)
+    if out and method_cls.request_knobs is None:
+        raise ValueError(f"vllm_sparse_method={method_cls.method_name!r} cannot host mixed_methods={names!r}: it owns "
+                         "its KV pool's layout, which other methods cannot share")
+    if out and tensor_parallel_size != 1:
+        raise ValueError(f"mixed_methods={names!r} does not support tensor_parallel_size > 1 yet (the followers "
+                         "replay one method's decisions); use tensor_parallel_size=1")
+    return out
 
 
 def auto_method(name) -> "type[CacheManager]":
@@ -114,9 +170,10 @@ def auto_method(name) -> "type[CacheManager]":
 def request_sparsity(config: EngineConfig, sparse: SparseParams | None, prompt_len: int,
                      name: str = "sparse_params") -> RequestSparsity:
     """What one request decodes with, in an engine of `config`: its SparseParams (None: the
-    engine's default) resolved against the engine's method. Raises ValueError naming the field
-    (`name`.method, or the knob, with the message make_config gives at launch); the engine fails
-    that request alone. prompt_len decides "auto" (dense below auto_dense_below tokens)."""
+    engine's default) resolved against the methods the engine hosts (its own, mixed_methods',
+    vanilla). Raises ValueError naming the field (`name`.method, or the knob, with the message
+    make_config gives at launch); the engine fails that request alone. prompt_len decides "auto"
+    (dense below auto_dense_below tokens)."""
     cls, engine_method = config.method, config.vllm_sparse_method
     if sparse is not None and not isinstance(sparse, SparseParams):
         raise TypeError(f"{name} must be SparseParams, got {type(sparse).__name__}")
@@ -129,32 +186,40 @@ def request_sparsity(config: EngineConfig, sparse: SparseParams | None, prompt_l
     if (method != engine_method or knobs) and config.tensor_parallel_size > 1:
         raise ValueError(f"{name}: per-request sparsity does not support tensor_parallel_size > 1 yet (the "
                          "followers replay the engine's knobs); send the request without one")
-    own = cls.method_name
-    choices = ["vanilla", own] + ([AUTO] if engine_method == AUTO else [])
+    default = config.auto_method if engine_method == AUTO else engine_method   # the engine's own sparse method
+    choices = list(dict.fromkeys(["vanilla", *config.hosted] + ([AUTO] if engine_method == AUTO else [])))
     if method not in choices:
-        why = ("mixing two different sparse methods in one engine is not built yet" if method in REGISTRY
-               else "it is no registered method")
+        if method in mixable():
+            why = f"this engine does not host it: launch with mixed_methods=[{method!r}] to mix it"
+        elif method in REGISTRY:
+            why = "it owns its KV pool's layout, which other methods cannot share"
+        else:
+            why = "it is no registered method"
         raise ValueError(f"{name}.method={method!r} is invalid here: this engine runs vllm_sparse_method="
-                         f"{engine_method!r}" + (f" (auto_method={own!r})" if engine_method == AUTO else "")
-                         + f"; a request may choose {' | '.join(dict.fromkeys(choices))} ({why})")
+                         f"{engine_method!r}" + (f" (auto_method={default!r})" if engine_method == AUTO else "")
+                         + f"; a request may choose {' | '.join(choices)} ({why})")
     if method == "vanilla" and knobs:
         raise ValueError(f"{name}: method 'vanilla' takes no knobs, got {', '.join(sorted(knobs))}")
-    allowed = cls.request_knobs or ()
+    target = default if method == AUTO else method
+    if target == "vanilla":
+        return RequestSparsity("vanilla", None, {}, None)
+    target_cls, method_config = config.hosted[target]
+    allowed = target_cls.request_knobs or ()
     owners = method_knob_owners()
     for key in knobs:
         if key in allowed:
             continue
-        if key in cls.config_cls.knob_names():
-            per = f"per-request knobs of {own}: {', '.join(allowed)}" if allowed else f"{own} has no per-request knobs"
+        if key in target_cls.config_cls.knob_names():
+            per = (f"per-request knobs of {target}: {', '.join(allowed)}" if allowed
+                   else f"{target} has no per-request knobs")
             raise ValueError(f"{name}: knob {key!r} cannot be set per request ({per}); set it at launch")
         if key in owners:
-            raise ValueError(f"{name}: knob {key!r} belongs to method {owners[key]!r}, but this request runs {own!r}")
+            raise ValueError(f"{name}: knob {key!r} belongs to method {owners[key]!r}, but this request runs {target!r}")
         if key in ENGINE_KNOBS:
             raise ValueError(f"{name}: {key!r} is an engine knob, set at launch, not per request")
         close = difflib.get_close_matches(key, list(allowed), n=1)
-        hint = f"; did you mean {close[0]!r}?" if close else f"; per-request knobs of {own}: {', '.join(allowed)}"
+        hint = f"; did you mean {close[0]!r}?" if close else f"; per-request knobs of {target}: {', '.join(allowed)}"
         raise ValueError(f"{name}: unknown knob {key!r}{hint}")
-    method_config = config.method_config
     if knobs:
         method_config = dataclasses.replace(method_config, **knobs)
         try:   # the launch's own checks, on a copy: a knob's validation may set engine knobs (QuEST's page size)
@@ -166,7 +231,6 @@ def request_sparsity(config: EngineConfig, sparse: SparseParams | None, prompt_l
         dense = prompt_len < config.auto_dense_below
         policy = (f"auto: prompt of {prompt_len} tokens {'<' if dense else '>='} auto_dense_below="
                   f"{config.auto_dense_below}")
-        method = "vanilla" if dense else own
-    if method == "vanilla":
-        return RequestSparsity("vanilla", None, {}, policy)
-    return RequestSparsity(own, method_config, {k: getattr(method_config, k) for k in allowed}, policy)
+        if dense:
+            return RequestSparsity("vanilla", None, {}, policy)
+    return RequestSparsity(target, method_config, {k: getattr(method_config, k) for k in allowed}, policy)

@@ -2,7 +2,8 @@
 
 A request without one decodes with the engine's method and knobs. With one it may choose
 "vanilla" (it attends densely, in the same batch as the sparse requests), the engine's own method
-with its own budget (the method's per-request knobs, `CacheManager.request_knobs`), or, in an
+or one the engine hosts beside it (LLM(..., mixed_methods=[...])) with its own budget (the method's
+per-request knobs, `CacheManager.request_knobs`), or, in an
 engine launched with vllm_sparse_method="auto", "auto" (the engine's policy: dense while the
 prompt is short). Types are checked here; the knobs are checked against the engine when the
 request arrives (`method_registry.request_sparsity`), with the same messages as at launch, and a
@@ -24,8 +25,8 @@ class SparseParamsError(ValueError):
 
 
 class SparseParams:
-    """method: None (the engine's default for this request), "vanilla", the engine's method, or
-    "auto" (in an "auto" engine). knobs: the method's per-request knobs, e.g. quest_token_budget."""
+    """method: None (the engine's default for this request), "vanilla", the engine's method, a method
+    in its mixed_methods, or "auto" (in an "auto" engine). knobs: the method's per-request knobs, e.g. quest_token_budget."""
 
     def __init__(self, method: str | None = None, **knobs):
         if method is not None and not isinstance(method, str):
@@ -46,7 +47,7 @@ class SparseParams:
 @dataclass(frozen=True)
 class RequestSparsity:
     """What a request decodes with, resolved when it arrives and kept on its Sequence (`seq.sparse`).
-    method: "vanilla" (a dense row) or the method the engine's cache manager runs; config: that
+    method: "vanilla" (a dense row) or the hosted method whose cache manager runs it; config: that
     method's knobs for this request (the engine's, with the request's per-request knobs over
     them), None for a dense row; knobs: the per-request knobs in force (reported in metrics);
     policy: why "auto" chose this, else None."""

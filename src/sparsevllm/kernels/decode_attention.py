@@ -66,9 +66,11 @@ def decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     """q: [B, H_q, D]; k_cache, v_cache: [num_slots, H_kv, D] -> out [B, H_q, D] in q's dtype.
     k_scale, v_scale: [num_slots, H_kv] fp32 scales of an FP8 cache, or None (the cache is the values).
 
-    token_scores (G = 1 only): an fp32 [B, H_kv, >= N * P] buffer; entry (b, g, t) is set to the max
-    over KV group g's query heads of the raw logit q . k_t * scale for every t < lengths[b] (entries
-    past the length are left as they are). A filter layer's dense attention reports its token
+    token_scores (G = 1 or H_kv): an fp32 [B, H_kv, >= N * P] buffer; entry (b, g, t) is set to the
+    max over KV group g's query heads of the raw logit q . k_t * scale, k_t the t-th token of row
+    (b, g) (G = 1: of row b), for every t < its length (entries past it are left as they are). A
+    view per KV head whose rows are one token set repeated (an engine mixing methods) reports the
+    same scores as that set's G = 1 view. A filter layer's dense attention reports its token
     scores this way (OmniKV) instead of reading the keys a second time; the max over g is the
     caller's. One writer per entry: no atomics, no -inf fill. A row of length 0 outputs zeros.
 
@@ -86,6 +88,7 @@ def decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     slots = (table.long().unsqueeze(-1) * P + torch.arange(P, device=q.device)).reshape(B, G, T)
     valid = offs.view(1, 1, T) < lengths.long().unsqueeze(-1)              # [B, G, T]
     if G == Hq and Hq != Hkv:   # a token set per query head: each row is a group of one
+        assert token_scores is None, "token_scores needs a decode view of G = 1 or num_kv_heads"
         heads = (torch.arange(Hq, device=q.device) // (Hq // Hkv)).view(1, Hq, 1)
         k, v = dequant(k_cache, k_scale, (slots, heads)), dequant(v_cache, v_scale, (slots, heads))   # [B, H_q, T, D]
         scores = torch.einsum("bhd,bhtd->bht", q.float(), k) * scale
@@ -107,7 +110,6 @@ def decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     scores = torch.einsum("bhgd,bhtd->bhgt", qg, k.float()) * scale
     scores = scores.masked_fill(~valid.unsqueeze(2), float("-inf"))
     if token_scores is not None:
-        assert G == 1, "token_scores needs a decode view shared by all heads (G = 1)"
         best = scores.amax(dim=2)                                          # [B, H_kv, T]
         token_scores[:, :, :T] = torch.where(valid, best, token_scores[:, :, :T])
     if lse_out is not None:
@@ -284,7 +286,8 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     mid_lse = torch.empty(B, Hq, 1 if direct else S, dtype=torch.float32, device=q.device)
     upcast = upcast_loads(q.dtype)
     if token_scores is not None:
-        assert G == 1 and token_scores.dtype == torch.float32 and token_scores.stride(-1) == 1
+        # a program per (request, KV head) writes its head's row: G = 1 or H_kv, never per query head
+        assert not per_query_head and token_scores.dtype == torch.float32 and token_scores.stride(-1) == 1
         assert token_scores.shape[:2] == (B, Hkv) and token_scores.shape[2] >= N * page_size
     scaled = k_scale is not None
     if scaled:

@@ -77,14 +77,15 @@ def build_app(llm: AsyncLLM, model_name: str, api_key: str | None = None):
     async def metrics():
         return PlainTextResponse(prometheus(llm, model_name), media_type="text/plain; version=0.0.4")
 
-    cls = engine.config.method
-    mixable = cls.request_knobs is not None and engine.config.tensor_parallel_size == 1
-    # What a request's "sparse" field may choose (a request without one gets `default`).
+    cfg = engine.config
+    mixable = cfg.method.request_knobs is not None and cfg.tensor_parallel_size == 1
+    # What a request's "sparse" field may choose (a request without one gets `default`): vanilla and
+    # every hosted method (the engine's, mixed_methods'), with their per-request knobs.
     choices = {"default": method,
-               "methods": list(dict.fromkeys([method] + (["vanilla", cls.method_name] if mixable else []))),
-               "knobs": list(cls.request_knobs or ()) if mixable else []}
+               "methods": list(dict.fromkeys([method] + (["vanilla", *cfg.hosted] if mixable else []))),
+               "knobs": [k for cls, _ in cfg.hosted.values() for k in cls.request_knobs or ()] if mixable else []}
     if method == "auto":
-        choices.update(auto_method=cls.method_name, auto_dense_below=engine.config.auto_dense_below)
+        choices.update(auto_method=cfg.auto_method, auto_dense_below=cfg.auto_dense_below)
 
     @app.get("/v1/models")
     async def models():

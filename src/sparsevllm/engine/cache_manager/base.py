@@ -56,8 +56,11 @@ class CacheManager:
                               "output error 0.0 exactly, no layer is measured")
 
     def __init__(self, config: EngineConfig, model_config: ModelConfig, num_kv_heads: int, num_pages: int,
-                 dtype: torch.dtype, device: torch.device):
-        """num_kv_heads: this rank's KV heads; num_pages: the pool's size in pages of bytes_per_page."""
+                 dtype: torch.dtype, device: torch.device, shared: "CacheManager | None" = None):
+        """num_kv_heads: this rank's KV heads; num_pages: the pool's size in pages of bytes_per_page.
+        shared: the composite of an engine hosting several methods (mixed_methods, engine/cache_manager/
+        mixed.py), whose pool, allocator and block tables this manager uses instead of its own; its
+        metadata per page is then sized by the shared pool."""
         self.config, self.model_config = config, model_config
         self.method_config = config.method_config
         self.page_size = config.page_size
@@ -65,6 +68,9 @@ class CacheManager:
         self.num_kv_heads = num_kv_heads
         self.dtype, self.device = dtype, device
         self.kv_dtype = kv_storage_dtype(config.kv_cache_dtype, dtype)   # what the KV is stored in
+        if shared is not None:
+            self.pool, self.allocator, self.tables = shared.pool, shared.allocator, shared.tables
+            return
         num_pages = self.allocate_storage(num_pages)
         self.allocator = PageAllocator(num_pages)
         self.tables = PageTables(self.allocator, self.page_size, self.pages_for(config.max_model_len) + 1,
@@ -128,8 +134,11 @@ class CacheManager:
 
     def request_config(self, seq: Sequence) -> MethodConfig | None:
         """The knobs seq decodes with: its own (SparseParams, resolved when it arrived), the engine's
-        when it has none, or None where it decodes densely (it chose vanilla, or "auto" did)."""
-        return self.method_config if seq.sparse is None else seq.sparse.config
+        when it has none, or None where this manager's method is not what it decodes with (it chose
+        vanilla, "auto" did, or, in an engine hosting several methods, it runs another one)."""
+        if seq.sparse is None:
+            return self.method_config
+        return seq.sparse.config if seq.sparse.method == self.method_name else None
 
     def seq_admit_len(self, seq: Sequence) -> int:
         return self.admit_len(len(seq), seq.num_prompt_tokens, seq.params.max_tokens)
@@ -179,6 +188,13 @@ class CacheManager:
 
     def free(self, seq: Sequence) -> None:
         self.tables.close(seq)
+
+    def promised_pages(self, seq: Sequence) -> int:
+        """Free pages this manager has promised to work of the current step other than seq's (SnapKV:
+        the compactions its reserve admitted), which a reserve of any request must leave free; in
+        an engine hosting several methods the composite adds them to every other method's reserve.
+        Dense: none."""
+        return 0
 
     def commit(self, seq: Sequence, num_new_tokens: int) -> None:
         """A launched step stores num_new_tokens for seq: advance the counters and name the full

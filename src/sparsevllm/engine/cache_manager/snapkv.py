@@ -194,7 +194,7 @@ class SnapKVCacheManager(CacheManager):
         start = seq.num_computed_tokens
         compacts = self._evicts(seq) and seq.cache_len == start and start + num_new_tokens == seq.num_prompt_tokens
         new_pages = max(0, self.pages_for(seq.cache_len + num_new_tokens) - len(self.tables[seq.seq_id]))
-        kept_free = sum(self._shortfall(s) for s in self._compacting.values() if s is not seq)
+        kept_free = self.promised_pages(seq)
         if compacts:
             kept_free += self._shortfall(seq, new_pages)
         if new_pages + kept_free > self.allocator.num_free:
@@ -204,6 +204,10 @@ class SnapKVCacheManager(CacheManager):
         if compacts:
             self._compacting[seq.seq_id] = seq
         return True
+
+    def promised_pages(self, seq: Sequence) -> int:
+        """The pages the compactions of this step (their chunks reserved, others than seq's) need free."""
+        return sum(self._shortfall(s) for s in self._compacting.values() if s is not seq)
 
     def free(self, seq: Sequence) -> None:
         super().free(seq)
