@@ -1,6 +1,8 @@
 """Continuous batching with chunked prefill, admission through the cache manager and preemption by
-recompute. A step is either a prefill step (chunks of one or more prompts) or a decode step (one
-token for every running request). The scheduler never reads KV; it asks the cache manager."""
+recompute (under vllm_sparse_method="auto", a decode step short of pages first compacts a running
+request instead: cache_manager/pressure.py). A step is either a prefill step (chunks of one or more
+prompts) or a decode step (one token for every running request). The scheduler never reads KV; it
+asks the cache manager."""
 import logging
 from collections import deque
 from dataclasses import dataclass
