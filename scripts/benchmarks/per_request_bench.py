@@ -2,6 +2,7 @@
 
     python scripts/benchmarks/per_request_bench.py mixed [LENGTH]   # QuEST x 2 + vanilla x 2 in one batch
     python scripts/benchmarks/per_request_bench.py auto [LENGTH] [BATCH]   # "auto" against vanilla, short prompts
+    python scripts/benchmarks/per_request_bench.py pressure [LENGTH]   # 4 x LENGTH in a pool that admits 2
 
 Llama-3.1-8B shape (PRESET=<name> for another preset), random bf16 weights, CUDA graphs, overlapped
 scheduling, output 256, default QuEST knobs; the measurement of ab_decode.py (bench_case.timing_metrics'
@@ -15,6 +16,12 @@ tok/s predicted from them is 4 / (2 / quest + 2 / vanilla); the ROW "mixed_over_
 issue's target (>= 0.95).
 auto: the same BATCH x LENGTH prompts (LENGTH below auto_dense_below: every request a dense row) in
 a vanilla engine and an "auto" engine of the same knobs; the target is auto within 2% of vanilla.
+pressure: 4 distinct prompts of LENGTH (128000) in a pool of 2 x (LENGTH + OUTPUT / 2) tokens: two
+are admitted, and their outputs outgrow the pool. Vanilla preempts and recomputes (prefills again);
+"auto" (every request long: QuEST) compacts a running request to auto_compact_capacity instead. ROW:
+wall time of the whole generate (prefill included), prompt tokens prefilled, preemptions,
+compactions; the target is no recompute (prefilled == 4 x LENGTH, no preemption) and the wall time
+against vanilla's.
 """
 import argparse
 import gc
@@ -31,7 +38,7 @@ from sparsevllm import LLM, SamplingParams, SparseParams  # noqa: E402
 
 OUTPUT = 256
 ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-ap.add_argument("case", choices=["mixed", "auto"])
+ap.add_argument("case", choices=["mixed", "auto", "pressure"])
 ap.add_argument("length", type=int, nargs="?", default=None)
 ap.add_argument("batch", type=int, nargs="?", default=32)
 args = ap.parse_args()
@@ -39,13 +46,13 @@ cfg = json.load(open(os.path.join("src/sparsevllm/presets", os.environ.get("PRES
 mdir = tempfile.mkdtemp()
 json.dump(cfg, open(os.path.join(mdir, "config.json"), "w"))
 length = args.length or (128000 if args.case == "mixed" else 4096)
-batch = 4 if args.case == "mixed" else args.batch
+batch = 4 if args.case in ("mixed", "pressure") else args.batch
 DECODE = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=OUTPUT)
 
 
-def engine(method: str):
+def engine(method: str, **knobs):
     llm = LLM(mdir, vllm_sparse_method=method, load_format="dummy", max_num_seqs=batch,
-              max_model_len=length + OUTPUT + 64, chunk_prefill_size=8192, max_num_batched_tokens=16384)
+              max_model_len=length + OUTPUT + 64, chunk_prefill_size=8192, max_num_batched_tokens=16384, **knobs)
     warm = make_prompts(cfg, batch, 256, seed=10_000)   # compiles and captures outside the timing
     llm.generate(warm, SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=48), use_tqdm=False)
     prompt = make_prompts(cfg, 1, length, seed=0)[0]
@@ -89,6 +96,38 @@ if args.case == "mixed":
     print("ROW", json.dumps(dict(case="mixed vs predicted", predicted_tok_s=predicted,
                                  mixed_tok_s=mixed["decode_tok_s"],
                                  mixed_over_predicted=mixed["decode_tok_s"] / predicted)), flush=True)
+elif args.case == "pressure":
+    PAGE = 16
+    pool = 2 * -(-(length + OUTPUT // 2) // PAGE)   # admits two prompts, not their outputs
+    prompts = make_prompts(cfg, 4, length, seed=1)  # distinct: no prefix-cache hits between them
+    rows = {}
+    for method in ("vanilla", "auto"):
+        llm, _ = engine(method, page_size=PAGE, num_kv_pages=pool)
+        sched, prefilled = llm.engine.scheduler, []
+        real = sched._schedule_prefill
+
+        def counted(real=real, prefilled=prefilled):
+            b = real()
+            prefilled.extend(b.num_tokens)
+            return b
+        sched._schedule_prefill = counted
+        preempted, compacted = sched.num_preemptions, sched.num_pressure_compactions
+        start = time.perf_counter()
+        outs = llm.generate(prompts, DECODE, use_tqdm=False)
+        wall = time.perf_counter() - start
+        assert all(o.error is None for o in outs), [o.error for o in outs]
+        rows[method] = dict(case=f"pressure {method} 4 x {length}", pool_pages=pool, wall_s=wall,
+                            prefilled_tokens=sum(prefilled), prompt_tokens=4 * length,
+                            preemptions=sched.num_preemptions - preempted,
+                            compactions=sched.num_pressure_compactions - compacted,
+                            compacted=[o.metrics["sparse"].get("compacted") for o in outs],
+                            device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")
+        print("ROW", json.dumps(rows[method]), flush=True)
+        close(llm)
+    print("ROW", json.dumps(dict(case="pressure auto vs vanilla",
+                                 wall_auto_over_vanilla=rows["auto"]["wall_s"] / rows["vanilla"]["wall_s"],
+                                 no_recompute=rows["auto"]["prefilled_tokens"] == 4 * length
+                                 and rows["auto"]["preemptions"] == 0)), flush=True)
 else:
     rows = {}
     for method in ("vanilla", "auto"):

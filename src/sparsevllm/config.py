@@ -13,6 +13,9 @@ DEVICES = ("auto", "cpu", "cuda")
 LOAD_FORMATS = ("auto", "dummy")
 # KV cache storage: "auto" stores the model dtype; "fp8" (= "fp8_e4m3") stores float8_e4m3fn.
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+# Under memory pressure ("auto"), a compaction scores a request's tokens from its last this-many
+# tokens (SnapKV's default observation window, w = 32) and always keeps them.
+PRESSURE_WINDOW = 32
 
 
 def is_int(x) -> bool:
@@ -78,6 +81,11 @@ class EngineConfig(Knobs):
     # decodes densely, a longer one with auto_method (its knobs: the method's, given at launch).
     auto_dense_below: int = 8192
     auto_method: str = "quest"
+    # vllm_sparse_method="auto" only: when a decode step finds no page for a running request, free
+    # pages by compacting the longest running request's KV to auto_compact_capacity tokens per KV
+    # head (SnapKV-style, engine/cache_manager/pressure.py) instead of preempting and recomputing one.
+    auto_compact_on_pressure: bool = True
+    auto_compact_capacity: int = 2048
     # More methods a request may choose (SparseParams.method) besides vllm_sparse_method's and
     # "vanilla": each gets a cache manager of its own over the engine's one pool, and requests of
     # every hosted method decode in the same batch (docs/design.md, section 11). None: only those two.
@@ -121,8 +129,13 @@ class EngineConfig(Knobs):
              "an integer >= 0 (0: off; N: measure attention recall every N-th decode step of a request)")
         need(is_int(self.auto_dense_below) and self.auto_dense_below >= 0, "auto_dense_below",
              "an integer >= 0 (prompt tokens below which an \"auto\" request decodes densely)")
+        need(isinstance(self.auto_compact_on_pressure, bool), "auto_compact_on_pressure", "True or False")
+        need(is_int(self.auto_compact_capacity) and self.auto_compact_capacity > PRESSURE_WINDOW,
+             "auto_compact_capacity", f"an integer > {PRESSURE_WINDOW} (tokens a compacted request keeps per KV "
+             "head, its observation window included)")
 
 
 ENGINE_KNOBS = [f.name for f in fields(EngineConfig)
                 if f.name not in ("model", "vllm_sparse_method", "method_config", "method", "hosted")]
-AUTO_KNOBS = ("auto_dense_below", "auto_method")   # engine knobs of vllm_sparse_method="auto" only
+# engine knobs of vllm_sparse_method="auto" only
+AUTO_KNOBS = ("auto_dense_below", "auto_method", "auto_compact_on_pressure", "auto_compact_capacity")

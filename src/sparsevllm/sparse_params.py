@@ -50,11 +50,14 @@ class RequestSparsity:
     method: "vanilla" (a dense row) or the hosted method whose cache manager runs it; config: that
     method's knobs for this request (the engine's, with the request's per-request knobs over
     them), None for a dense row; knobs: the per-request knobs in force (reported in metrics);
-    policy: why "auto" chose this, else None."""
+    policy: why "auto" chose this, else None; compacted: set when "auto" compacted the request's KV
+    under memory pressure (engine/cache_manager/pressure.py), which makes it a dense row over what
+    it kept: {"tokens_before", "tokens_after", "at_output_token"}."""
     method: str
     config: "MethodConfig | None"
     knobs: dict = field(default_factory=dict)
     policy: str | None = None
+    compacted: dict | None = None
 
     @property
     def dense(self) -> bool:
@@ -65,4 +68,6 @@ class RequestSparsity:
         out = {"method": self.method, "knobs": dict(self.knobs)}
         if self.policy is not None:
             out["policy"] = self.policy
+        if self.compacted is not None:
+            out["compacted"] = dict(self.compacted)
         return out

@@ -1,11 +1,14 @@
 """Continuous batching with chunked prefill, admission through the cache manager and preemption by
-recompute. A step is either a prefill step (chunks of one or more prompts) or a decode step (one
-token for every running request). The scheduler never reads KV; it asks the cache manager."""
+recompute (under vllm_sparse_method="auto", a decode step short of pages first compacts a running
+request instead: cache_manager/pressure.py). A step is either a prefill step (chunks of one or more
+prompts) or a decode step (one token for every running request). The scheduler never reads KV; it
+asks the cache manager."""
 import logging
 from collections import deque
 from dataclasses import dataclass
 
 from sparsevllm.config import EngineConfig
+from sparsevllm.engine.cache_manager import pressure
 from sparsevllm.engine.sequence import Sequence, SequenceStatus
 
 logger = logging.getLogger(__name__)
@@ -25,6 +28,8 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.num_pressure_compactions = 0   # preemptions avoided by compacting a request ("auto")
+        self.compact_on_pressure = config.vllm_sparse_method == "auto" and config.auto_compact_on_pressure
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -98,6 +103,8 @@ class Scheduler:
             if seq.status != SequenceStatus.RUNNING or seq.in_prefill or self._reaches_length(seq):
                 continue  # preempted below while making room for an earlier request, still prefilling, or done
             while not self.cm.reserve(seq, 1):
+                if self._compact_for_pages(scheduled):
+                    continue
                 victim = self.running[-1]
                 self.preempt(victim)
                 if victim is seq:
@@ -105,6 +112,23 @@ class Scheduler:
             else:
                 scheduled.append(seq)
         return ScheduledBatch(scheduled, [1] * len(scheduled), False)
+
+    def _compact_for_pages(self, scheduled: list[Sequence]) -> bool:
+        """"auto" under memory pressure: compact the running request whose compaction frees the most
+        pages (SnapKV-style, cache_manager/pressure.py) instead of preempting one; False when no
+        request can free any (then preemption, as before)."""
+        if not self.compact_on_pressure:
+            return False
+        capacity = self.config.auto_compact_capacity
+        victim = pressure.compact_victim(self.cm, self.running, capacity)
+        if victim is None:
+            return False
+        pressure.compact(self.cm, victim, capacity)
+        self.num_pressure_compactions += 1
+        if victim in scheduled:   # its reserved slot went with its old pages; the compaction freed a page
+            taken = self.cm.reserve(victim, 1)
+            assert taken
+        return True
 
     def preempt(self, seq: Sequence) -> None:
         """Free a request's KV and send it back to the front of the queue; it will be recomputed
