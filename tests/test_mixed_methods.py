@@ -8,7 +8,6 @@ against its reference and against the G = 1 view it repeats.
 """
 import os
 
-import numpy as np
 import torch
 
 if not torch.cuda.is_available():
@@ -17,6 +16,7 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 from method_knobs import METHOD_KNOBS  # noqa: E402
+from per_request_helpers import BASE, CUDA, GREEDY, OTHER, alone, gpu, ids, prompts  # noqa: E402
 from sparsevllm import LLM, SamplingParams, SparseParams  # noqa: E402
 from sparsevllm.engine.sequence import Sequence  # noqa: E402
 from sparsevllm.kernels import decode_attention as da  # noqa: E402
@@ -25,24 +25,10 @@ from sparsevllm.kernels import page_select as psel  # noqa: E402
 from sparsevllm.kernels import token_select as tsel  # noqa: E402
 from sparsevllm.method_registry import make_config, request_sparsity  # noqa: E402
 
-CUDA = torch.cuda.is_available()
-GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
-BASE = dict(page_size=4, max_model_len=512, max_num_seqs=16)
 MIXED = ["omnikv", "snapkv"]   # hosted beside the engine's own quest
 # OmniKV's filter layer 0 (dense for QuEST too: a paged layer with token scores, then two merged
 # layers), or 1 (QuEST's sparse layer 1 is then merged while it reports token scores per KV head).
 LAYOUTS = {"filter0": METHOD_KNOBS["omnikv"], "filter1": dict(METHOD_KNOBS["omnikv"], omnikv_filter_layers=[1])}
-OTHER = {"quest": dict(quest_token_budget=16), "omnikv": dict(omnikv_num_selected=8),
-         "snapkv": dict(snapkv_capacity=24)}
-
-
-def gpu(fn):
-    return pytest.mark.gpu(pytest.mark.skipif(not CUDA, reason="needs CUDA")(fn))
-
-
-def prompts(lengths, seed=0):
-    rng = np.random.default_rng(seed)
-    return [rng.integers(3, 250, n).tolist() for n in lengths]
 
 
 def launch_knobs(layout="filter0"):
@@ -63,18 +49,6 @@ def mixed_case(layout="filter0"):
     sparse = [None if m is None else SparseParams(method=m, **k) for m, k in rows]
     wanted = [(m or "quest", {**own_knobs(m or "quest", layout), **k}) for m, k in rows]
     return ps, sparse, wanted
-
-
-def alone(model, method, knobs, prompt, gen=GREEDY, **engine):
-    """The request alone, in an engine launched with its method and knobs."""
-    llm = LLM(model, method, **BASE, **knobs, **engine)
-    out = llm.generate([prompt], gen, use_tqdm=False)[0]
-    assert llm.engine.cache_manager.allocator.is_idle()
-    return out.outputs[0].token_ids
-
-
-def ids(outs):
-    return [o.outputs[0].token_ids for o in outs]
 
 
 @pytest.mark.parametrize("layout,overlap", [("filter0", False), ("filter0", True), ("filter1", False)])

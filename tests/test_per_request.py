@@ -10,7 +10,6 @@ import os
 import subprocess
 import sys
 
-import numpy as np
 import torch
 
 if not torch.cuda.is_available():
@@ -19,42 +18,16 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 from method_knobs import METHOD_KNOBS  # noqa: E402
+from per_request_helpers import BASE, CUDA, GREEDY, OTHER, alone, gpu, ids, prompts  # noqa: E402
 from sparsevllm import LLM, SamplingParams, SparseParams  # noqa: E402
 from sparsevllm.engine.sequence import Sequence  # noqa: E402
 from sparsevllm.kernels import page_select as psel  # noqa: E402
 from sparsevllm.method_registry import make_config, methods, request_sparsity  # noqa: E402
 
-CUDA = torch.cuda.is_available()
-GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
-BASE = dict(page_size=4, max_model_len=512, max_num_seqs=16)
-# Per method: the engine's knobs and a second budget a request asks for (below the engine's, so
-# that request is sparser than its neighbours).
+# Per method: the engine's knobs (OTHER: a second budget a request asks for).
 ENGINE = {"quest": METHOD_KNOBS["quest"],
           "omnikv": METHOD_KNOBS["omnikv"],
           "snapkv": METHOD_KNOBS["snapkv"]}
-OTHER = {"quest": dict(quest_token_budget=16), "omnikv": dict(omnikv_num_selected=8),
-         "snapkv": dict(snapkv_capacity=24)}
-
-
-def gpu(fn):
-    return pytest.mark.gpu(pytest.mark.skipif(not CUDA, reason="needs CUDA")(fn))
-
-
-def prompts(lengths, seed=0):
-    rng = np.random.default_rng(seed)
-    return [rng.integers(3, 250, n).tolist() for n in lengths]
-
-
-def ids(outs):
-    return [o.outputs[0].token_ids for o in outs]
-
-
-def alone(model, method, knobs, prompt, **engine):
-    """The request alone, in an engine launched with its method and knobs."""
-    llm = LLM(model, method, **BASE, **knobs, **engine)
-    out = llm.generate([prompt], GREEDY, use_tqdm=False)[0]
-    assert llm.engine.cache_manager.allocator.is_idle()
-    return out.outputs[0].token_ids
 
 
 def mixed_case(method):
