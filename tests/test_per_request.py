@@ -284,28 +284,14 @@ def test_gpu_a_mixed_batch_under_graphs_equals_each_request_alone(tiny_model, me
 @pytest.fixture(scope="module")
 def quest_server(tmp_path_factory):
     """A QuEST engine on a tiny tokenized Llama, served over HTTP, and the knobs it was launched with."""
-    import threading
-    import time
-
-    uvicorn = pytest.importorskip("uvicorn")
+    pytest.importorskip("uvicorn")
     from regression_fixtures import build_tiny_llama
-    from sparsevllm.engine.async_engine import AsyncLLM
-    from sparsevllm.serve import build_app
-    from test_server import free_port
+    from test_server import serving
     model = build_tiny_llama(str(tmp_path_factory.mktemp("tinytok")), max_position_embeddings=512)
     knobs = dict(device="cpu", **BASE, **ENGINE["quest"])
     llm = LLM(model, "quest", **knobs)
-    async_llm = AsyncLLM(llm.engine)
-    port = free_port()
-    srv = uvicorn.Server(uvicorn.Config(build_app(async_llm, "tiny"), host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    while not srv.started:
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}", llm, model, knobs
-    srv.should_exit = True
-    thread.join(timeout=30)
-    async_llm.shutdown()
+    with serving(llm, "tiny") as url:
+        yield url, llm, model, knobs
 
 
 def test_the_server_takes_sparse_per_request_and_lists_the_choices(quest_server):

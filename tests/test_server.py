@@ -2,6 +2,7 @@
 `openai` client: completions and chat (streaming and not) equal LLM.generate; a cancelled stream
 frees its pages; 32 concurrent clients; bad requests get the right 4xx and the server stays up."""
 import asyncio
+import contextlib
 import json
 import socket
 import threading
@@ -40,21 +41,31 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def server():
-    llm = LLM(**KNOBS)
+@contextlib.contextmanager
+def serving(llm, name: str, key: str | None = None):
+    """llm's engine served over HTTP on a free loopback port, in a thread: yields the base URL; stops
+    the server and the engine thread after."""
     async_llm = AsyncLLM(llm.engine)
     port = free_port()
-    srv = uvicorn.Server(uvicorn.Config(build_app(async_llm, "smollm2", KEY), host="127.0.0.1", port=port,
+    srv = uvicorn.Server(uvicorn.Config(build_app(async_llm, name, key), host="127.0.0.1", port=port,
                                         log_level="warning"))
     thread = threading.Thread(target=srv.run, daemon=True)
     thread.start()
-    while not srv.started:
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}", llm.engine
-    srv.should_exit = True
-    thread.join(timeout=30)
-    async_llm.shutdown()
+    try:
+        while not srv.started:
+            time.sleep(0.05)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        srv.should_exit = True
+        thread.join(timeout=30)
+        async_llm.shutdown()
+
+
+@pytest.fixture(scope="module")
+def server():
+    llm = LLM(**KNOBS)
+    with serving(llm, "smollm2", KEY) as url:
+        yield url, llm.engine
 
 
 @pytest.fixture(scope="module")
@@ -222,18 +233,8 @@ def tiny_server(tmp_path_factory):
     sys.path.insert(0, os.path.dirname(__file__))
     from regression_fixtures import build_tiny_llama
     llm = LLM(build_tiny_llama(str(tmp_path_factory.mktemp("tinytok")), max_position_embeddings=256), device="cpu")
-    async_llm = AsyncLLM(llm.engine)
-    port = free_port()
-    srv = uvicorn.Server(uvicorn.Config(build_app(async_llm, "tiny"), host="127.0.0.1", port=port,
-                                        log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    while not srv.started:
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}", llm
-    srv.should_exit = True
-    thread.join(timeout=30)
-    async_llm.shutdown()
+    with serving(llm, "tiny") as url:
+        yield url, llm
 
 
 def post(url: str, body: dict) -> tuple[int, dict | str]:
@@ -378,16 +379,7 @@ def test_recall_sample_every_reports_recall_histograms_in_metrics(tmp_path, caps
     llm = LLM(build_tiny_llama(str(tmp_path), max_position_embeddings=256), device="cpu",
               vllm_sparse_method="quest", quest_token_budget=16, quest_skip_layers=0, page_size=4,
               recall_sample_every=2)
-    async_llm = AsyncLLM(llm.engine)
-    port = free_port()
-    srv = uvicorn.Server(uvicorn.Config(build_app(async_llm, "tiny"), host="127.0.0.1", port=port,
-                                        log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    while not srv.started:
-        time.sleep(0.05)
-    try:
-        url = f"http://127.0.0.1:{port}"
+    with serving(llm, "tiny") as url:
         for _ in range(2):
             code, body = post(url + "/v1/completions", {"prompt": "hello world " * 20, "max_tokens": 6,
                                                         "temperature": 0, "ignore_eos": True})
@@ -397,7 +389,3 @@ def test_recall_sample_every_reports_recall_histograms_in_metrics(tmp_path, caps
         assert rows['sparsevllm_attention_recall_count{model="tiny"}'] == "2"
         assert rows['sparsevllm_attention_recall_output_rel_error_count{model="tiny"}'] == "2"
         assert 0.0 < float(rows['sparsevllm_attention_recall_sum{model="tiny"}']) < 2.0
-    finally:
-        srv.should_exit = True
-        thread.join(timeout=30)
-        async_llm.shutdown()
