@@ -34,3 +34,19 @@ def alone(model, method, knobs, prompt, gen=GREEDY, **engine):
     out = llm.generate([prompt], gen, use_tqdm=False)[0]
     assert llm.engine.cache_manager.allocator.is_idle()
     return out.outputs[0].token_ids
+
+
+def run_noting_preemptions(llm, ps, gen, sparse):
+    """Run the prompts with their SparseParams through llm's engine; return the sequences and the
+    ids of those the scheduler preempted (recomputed) on the way. The pool ends idle."""
+    preempted = set()
+    real = llm.engine.scheduler.preempt
+
+    def preempt(seq):
+        preempted.add(seq.seq_id)
+        real(seq)
+    llm.engine.scheduler.preempt = preempt
+    seqs = [llm.engine.add_request(p, gen, sparse=s) for p, s in zip(ps, sparse)]
+    llm.engine.run(seqs, use_tqdm=False)
+    assert llm.engine.cache_manager.allocator.is_idle()
+    return seqs, preempted

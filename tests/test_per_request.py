@@ -18,7 +18,8 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 from method_knobs import METHOD_KNOBS  # noqa: E402
-from per_request_helpers import BASE, CUDA, GREEDY, OTHER, alone, gpu, ids, prompts  # noqa: E402
+from per_request_helpers import (BASE, CUDA, GREEDY, OTHER, alone, gpu, ids, prompts,  # noqa: E402
+                                 run_noting_preemptions)
 from sparsevllm import LLM, SamplingParams, SparseParams  # noqa: E402
 from sparsevllm.engine.sequence import Sequence  # noqa: E402
 from sparsevllm.kernels import page_select as psel  # noqa: E402
@@ -89,16 +90,8 @@ def test_a_mixed_batch_under_preemption(tiny_model, method):
     ps, sparse, wanted = mixed_case(method)
     gen = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     llm = LLM(model, method, **BASE, **ENGINE[method], num_kv_pages=150)
-    preempted = set()
-    real = llm.engine.scheduler.preempt
-
-    def preempt(seq):
-        preempted.add(seq.seq_id)
-        real(seq)
-    llm.engine.scheduler.preempt = preempt
-    seqs = [llm.engine.add_request(p, gen, sparse=s) for p, s in zip(ps, sparse)]
-    llm.engine.run(seqs, use_tqdm=False)
-    assert preempted and llm.engine.cache_manager.allocator.is_idle()
+    seqs, preempted = run_noting_preemptions(llm, ps, gen, sparse)
+    assert preempted
     for seq, p, (m, k) in zip(seqs, ps, wanted):
         assert seq.error is None
         if m == "vanilla" or method == "snapkv" or seq.seq_id not in preempted:
