@@ -20,6 +20,7 @@ from sparsevllm.regression.datasets import dataset_samples, parse_dataset_spec
 from sparsevllm.regression.fidelity import FIDELITY_TOKENS, compare, fidelity_sample
 from sparsevllm.regression.grading import score
 from sparsevllm.regression.prompts import PromptFormatter, Sample
+from sparsevllm.regression.records import append_records, read_records
 from sparsevllm.regression.tasks import SYNTHETIC_TASKS
 from sparsevllm.regression.variants import (Variant, expand_variants, list_valued_knobs,
                                              registered_methods)
@@ -148,31 +149,10 @@ class Runner:
 
     # -- persistence ---------------------------------------------------------------------------
     def _load_records(self) -> dict[str, dict]:
-        records = {}
-        if os.path.exists(self.records_path):
-            with open(self.records_path, encoding="utf-8") as f:
-                for line in f:
-                    if line.strip():
-                        try:
-                            r = json.loads(line)
-                        except json.JSONDecodeError:  # a line cut short by an interruption
-                            continue
-                        records[r["key"]] = r
-        return records
+        return read_records(self.records_path, "key")
 
     def _append(self, records: list[dict]) -> None:
-        # A run killed mid-write leaves its last line without a newline; appending straight
-        # after it would glue the next record onto that broken line and lose it as well.
-        broken_tail = False
-        if os.path.exists(self.records_path) and os.path.getsize(self.records_path) > 0:
-            with open(self.records_path, "rb") as f:
-                f.seek(-1, os.SEEK_END)
-                broken_tail = f.read(1) != b"\n"
-        with open(self.records_path, "a", encoding="utf-8") as f:
-            if broken_tail:
-                f.write("\n")
-            for r in records:
-                f.write(json.dumps(r) + "\n")
+        append_records(self.records_path, records)
 
     def _reference_path(self, variant: Variant, task: str, length: int) -> str:
         reference = next(v for v in self.variants if v.label == variant.reference)

@@ -13,6 +13,7 @@ import shlex
 import sys
 import time
 
+from sparsevllm.regression.records import append_records, read_records
 from sparsevllm.report.grid import Cell, Grid, cell_knobs, spec_id
 
 logger = logging.getLogger(__name__)
@@ -56,20 +57,10 @@ class SpeedStore:
         self.path = os.path.join(out_dir, "speed.jsonl")
 
     def load(self) -> dict[str, dict]:
-        records = {}
-        if os.path.exists(self.path):
-            with open(self.path, encoding="utf-8") as f:
-                for line in f:
-                    try:
-                        r = json.loads(line)
-                    except json.JSONDecodeError:  # a line cut short by an interruption
-                        continue
-                    records[r["id"]] = r
-        return records
+        return read_records(self.path, "id")
 
     def append(self, record: dict) -> None:
-        with open(self.path, "a", encoding="utf-8") as f:
-            f.write("\n" + json.dumps(record) + "\n")   # the leading newline ends a line left broken
+        append_records(self.path, [record])
 
 
 def cell_spec(grid: Grid, cell: Cell, model: str, knobs: dict) -> dict:
