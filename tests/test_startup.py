@@ -1,5 +1,6 @@
 """Start-up: `import sparsevllm` and every entry point's --help answer without importing torch (it
-costs seconds on a busy machine); the engine's own imports wait until an LLM is built."""
+costs seconds on a busy machine); the engine's own imports wait until an LLM is built; a CPU engine's
+thread count follows the load it starts under, not an earlier engine's."""
 import subprocess
 import sys
 
@@ -23,3 +24,29 @@ def test_help_imports_no_torch(module):
 def test_import_sparsevllm_imports_no_torch_until_an_llm_is_asked_for():
     assert "torch" not in imported(["-c", "import sparsevllm; sparsevllm.available_methods()"])
     assert "torch" in imported(["-c", "from sparsevllm import LLM"])
+
+
+def test_a_later_engine_is_not_held_to_an_earlier_engines_thread_count(monkeypatch):
+    """cpu_threads: an engine started under load takes one thread; a later engine of the same process
+    (the harness starts one per variant) starts again from torch's count when the load is gone, while a
+    caller's own torch.set_num_threads still caps it."""
+    import torch
+
+    from sparsevllm.engine import model_runner as mr
+    monkeypatch.setattr(mr, "_threads_before_engines", None)
+    monkeypatch.setattr(mr, "_threads_set", None)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(mr.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3}, raising=False)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(4)
+        monkeypatch.setattr(mr, "busy_cores", lambda cores: 3.2)
+        n, _ = mr.cpu_threads()
+        assert n == 1
+        mr.set_cpu_threads(n)
+        monkeypatch.setattr(mr, "busy_cores", lambda cores: 0.1)
+        assert mr.cpu_threads()[0] == 4     # not "torch has one": that one was the engine's
+        torch.set_num_threads(2)            # the caller's choice stands
+        assert mr.cpu_threads()[0] == 2
+    finally:
+        torch.set_num_threads(before)

@@ -55,23 +55,41 @@ def busy_cores(cores: list[int], interval: float = 0.1) -> float | None:
     return sum(1 - (i1 - i0) / max(t1 - t0, 1) for (t0, i0), (t1, i1) in zip(before, after))
 
 
+# What torch had before an engine of this process first set its threads, and what it set last: a
+# later engine (the regression harness and the report start one per variant) starts again from
+# torch's count, not from an earlier engine's choice made under another load.
+_threads_before_engines: int | None = None
+_threads_set: int | None = None
+
+
 def cpu_threads() -> tuple[int, str]:
     """Intra-op threads for a CPU engine, and why. OMP_NUM_THREADS where it is set; else the cores
     of this process's affinity that other work leaves free (at least one), and never more than
-    torch has now (a caller's torch.set_num_threads stands). Torch's default, every core, collapses
-    where other jobs hold some: its threads wait for each other at every operator (an 8-token reply
-    of the default model took 11.8-14.6 s on a busy 2-core machine, 1.5 s with one thread; see
-    docs/performance.md)."""
+    torch has (a caller's torch.set_num_threads stands; an earlier engine's does not). Torch's
+    default, every core, collapses where other jobs hold some: its threads wait for each other at
+    every operator (an 8-token reply of the default model took 11.8-14.6 s on a busy 2-core machine,
+    1.5 s with one thread; see docs/performance.md)."""
     if os.environ.get("OMP_NUM_THREADS"):
         return torch.get_num_threads(), "OMP_NUM_THREADS"
-    if torch.get_num_threads() == 1:
+    have = torch.get_num_threads()
+    if _threads_set is not None and have == _threads_set:
+        have = _threads_before_engines   # our own earlier setting, not the caller's
+    if have == 1:
         return 1, "torch has one"   # nothing to lower: skip the 0.1 s measurement
     cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
     busy = busy_cores(cores)
     if busy is None:
-        return torch.get_num_threads(), "torch's default"
+        return have, "torch's default"
     free = max(1, round(len(cores) - busy))
-    return min(free, torch.get_num_threads()), f"{busy:.1f} of {len(cores)} cores busy"
+    return min(free, have), f"{busy:.1f} of {len(cores)} cores busy"
+
+
+def set_cpu_threads(n: int) -> None:
+    global _threads_before_engines, _threads_set
+    if _threads_before_engines is None:
+        _threads_before_engines = torch.get_num_threads()
+    torch.set_num_threads(n)
+    _threads_set = n
 
 
 def make_cache_manager(config: EngineConfig, model_config: ModelConfig, runner: "ModelRunner") -> CacheManager:
@@ -92,7 +110,7 @@ class ModelRunner:
         self.threads = None
         if self.device.type == "cpu":
             self.threads, why = cpu_threads()
-            torch.set_num_threads(self.threads)
+            set_cpu_threads(self.threads)
             logger.info("%d CPU threads (%s)", self.threads, why)
         self.dtype = DTYPES[config.dtype] if config.dtype != "auto" else (
             torch.bfloat16 if self.device.type == "cuda" else torch.float32)
