@@ -5,7 +5,8 @@ rank is a spawned process holding its slice of the weights and a cache manager o
 (`Follower`). Rank 0 sends one command per step over the gloo command group (as nano-vllm sends
 its `run` call through shared memory): the scheduler's page decisions since the last step, then the
 step's requests. A follower replays the page decisions on its own cache manager, with mirrors of
-the requests' counters and tokens, so its allocator, block tables and prefix cache take the same
+the requests' counters, tokens and resolved sparsity (each request's method and knobs, sent with
+it once), so its allocator, block tables and prefix cache take the same
 decisions as rank 0's (SnapKV's compaction too, which allocates pages in `on_step_end` from the
 same state); then it builds the same step and runs the same forward, whose collectives pair with
 rank 0's. Under overlapped scheduling a decode input may still be on rank 0's device: rank 0
