@@ -151,8 +151,6 @@ def test_mixed_methods_launch_errors_name_the_knob():
         make_config(None, "vanilla", mixed_methods="quest")
     with pytest.raises(ValueError, match="vllm_sparse_method='deltakv' cannot host mixed_methods"):
         make_config(None, "deltakv", mixed_methods=["quest"])
-    with pytest.raises(ValueError, match="mixed_methods.*tensor_parallel_size > 1"):
-        make_config(None, "quest", mixed_methods=["snapkv"], tensor_parallel_size=2)
     with pytest.raises(ValueError, match="quest_selection='query_head' cannot be mixed with omnikv"):
         make_config(None, "quest", mixed_methods=["omnikv"], quest_selection="query_head")
     with pytest.raises(ValueError, match="knob 'snapkv_capacity' belongs to method 'snapkv', but .*mixed_methods"):

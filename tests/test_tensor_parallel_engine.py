@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from method_knobs import METHOD_KNOBS
-from sparsevllm import LLM, SamplingParams
+from sparsevllm import LLM, SamplingParams, SparseParams
 from sparsevllm.method_registry import methods
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
@@ -24,11 +24,11 @@ CASES = {
 }
 
 
-def _run(path, prompts=PROMPTS, **knobs):
+def _run(path, prompts=PROMPTS, sparse_params=None, gen=GREEDY, **knobs):
     llm = LLM(path, num_kv_pages=knobs.pop("num_kv_pages", 256), max_num_batched_tokens=96,
               chunk_prefill_size=64, **knobs)
     try:
-        outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+        outs = llm.generate(prompts, gen, use_tqdm=False, sparse_params=sparse_params)
         followers = llm.engine.workers.query("allocator") if llm.engine.workers else []
         if llm.engine.workers:   # eviction (SnapKV) happened alike on every rank
             for acc in llm.engine.workers.query("accounting"):
@@ -58,6 +58,53 @@ def test_tp2_equals_tp1_token_for_token(tiny_model, arch, case):
     assert _tokens(outs) == _tokens(ref)
     assert all(len(o.outputs[0].token_ids) == GREEDY.max_tokens for o in outs)
     assert followers == [{"idle": True, "num_free": 256, "num_pages": 256, "tables": 0, "mirrors": 0}]
+
+
+# Per-request sparsity (issue #51) under TP: each follower's mirror of a request carries its resolved
+# choice, so every rank decodes each row with its own method and budget and takes the same host
+# decisions (SnapKV's per-request compaction, OmniKV's selection, "auto"'s dense rows).
+MIXED = dict(QUEST, **METHOD_KNOBS["omnikv"], **dict(METHOD_KNOBS["snapkv"], snapkv_capacity=24),
+             mixed_methods=["omnikv", "snapkv"])
+PER_REQUEST = {
+    # vanilla rows beside QuEST at two budgets, in a QuEST engine
+    "quest": (QUEST, [None, SparseParams("vanilla"), SparseParams(quest_token_budget=32),
+                      SparseParams("quest", quest_token_budget=16)]),
+    # every mixable method in one batch, SnapKV at its own capacity per request
+    "mixed": (MIXED, [SparseParams("omnikv"), SparseParams("snapkv", snapkv_capacity=32),
+                      SparseParams("vanilla"), SparseParams("snapkv")]),
+    # "auto": the short prompts decode densely, the long ones with QuEST
+    "auto": (dict(QUEST, vllm_sparse_method="auto", auto_dense_below=50), None),
+}
+
+
+@pytest.mark.parametrize("case", list(PER_REQUEST))
+def test_tp2_equals_tp1_with_sparsity_per_request(tiny_model, case):
+    path = tiny_model("llama")
+    knobs, sparse = PER_REQUEST[case]
+    want, _, _ = _run(path, sparse_params=sparse, **knobs)
+    outs, followers, _ = _run(path, sparse_params=sparse, tensor_parallel_size=2, **knobs)
+    assert _tokens(outs) == _tokens(want)
+    assert [o.metrics["sparse"] for o in outs] == [o.metrics["sparse"] for o in want]
+    assert all(f["idle"] and f["mirrors"] == 0 for f in followers)
+    if case == "auto":
+        assert {o.metrics["sparse"]["method"] for o in outs} == {"vanilla", "quest"}
+
+
+def test_tp2_auto_compacts_under_pressure_like_tp1(tiny_model):
+    """"auto" short of pages compacts a running request (a host decision the followers replay, each
+    rank scoring its own KV heads) instead of preempting: the same tokens and compactions as one rank."""
+    path = tiny_model("llama")
+    ps = [list(range(3, 203)), list(range(5, 205)), list(range(7, 207)), list(range(9, 209))]
+    gen = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    knobs = dict(QUEST, vllm_sparse_method="auto", auto_dense_below=120, auto_compact_capacity=48,
+                 num_kv_pages=110, max_model_len=512)
+    want, _, pre1 = _run(path, prompts=ps, gen=gen, **knobs)
+    outs, followers, pre2 = _run(path, prompts=ps, gen=gen, tensor_parallel_size=2, **knobs)
+    assert pre1 == pre2 == 0
+    assert any("compacted" in o.metrics["sparse"] for o in want)
+    assert _tokens(outs) == _tokens(want)
+    assert [o.metrics["sparse"] for o in outs] == [o.metrics["sparse"] for o in want]
+    assert all(f["idle"] and f["mirrors"] == 0 for f in followers)
 
 
 def test_tp2_under_preemption_and_overlapped_scheduling(tiny_model):

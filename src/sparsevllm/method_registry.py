@@ -73,16 +73,13 @@ def make_config(model: str | None = None, vllm_sparse_method: str | None = None,
     auto = vllm_sparse_method == AUTO
     if auto:
         method_cls = auto_method(knobs.get("auto_method", EngineConfig.auto_method))
-        if knobs.get("tensor_parallel_size", 1) != 1:
-            raise ValueError("vllm_sparse_method='auto' does not support tensor_parallel_size > 1 yet (the "
-                             "followers would need each request's choice); use tensor_parallel_size=1")
     else:
         method_cls = get_method("vanilla" if vllm_sparse_method is None else vllm_sparse_method)
         for knob in AUTO_KNOBS:
             if knob in knobs:
                 raise ValueError(f"knob {knob!r} belongs to vllm_sparse_method='auto', but vllm_sparse_method="
                                  f"{method_cls.method_name!r}")
-    mixed = mixed_classes(knobs.get("mixed_methods"), method_cls, knobs.get("tensor_parallel_size", 1))
+    mixed = mixed_classes(knobs.get("mixed_methods"), method_cls)
     hosted = ([method_cls] if method_cls.method_name != "vanilla" else []) + mixed
     own = {knob: cls.method_name for cls in hosted for knob in cls.config_cls.knob_names()}
     owners = method_knob_owners()
@@ -129,7 +126,7 @@ def mixable() -> list[str]:
     return [n for n, c in methods().items() if c.request_knobs is not None and n != "vanilla"]
 
 
-def mixed_classes(names, method_cls, tensor_parallel_size) -> "list[type[CacheManager]]":
+def mixed_classes(names, method_cls) -> "list[type[CacheManager]]":
     """mixed_methods' classes, the engine's own method and vanilla left out (always hosted)."""
     if names is None:
         return []
@@ -150,9 +147,6 @@ def mixed_classes(names, method_cls, tensor_parallel_size) -> "list[type[CacheMa
     if out and method_cls.request_knobs is None:
         raise ValueError(f"vllm_sparse_method={method_cls.method_name!r} cannot host mixed_methods={names!r}: it owns "
                          "its KV pool's layout, which other methods cannot share")
-    if out and tensor_parallel_size != 1:
-        raise ValueError(f"mixed_methods={names!r} does not support tensor_parallel_size > 1 yet (the followers "
-                         "replay one method's decisions); use tensor_parallel_size=1")
     return out
 
 
@@ -183,9 +177,6 @@ def request_sparsity(config: EngineConfig, sparse: SparseParams | None, prompt_l
         raise ValueError(f"{name}: vllm_sparse_method={engine_method!r} takes no per-request sparsity: it owns its "
                          "KV pool's layout, which dense rows and other budgets cannot share yet; send the request "
                          "without one (the engine-wide knobs apply)")
-    if (method != engine_method or knobs) and config.tensor_parallel_size > 1:
-        raise ValueError(f"{name}: per-request sparsity does not support tensor_parallel_size > 1 yet (the "
-                         "followers replay the engine's knobs); send the request without one")
     default = config.auto_method if engine_method == AUTO else engine_method   # the engine's own sparse method
     choices = list(dict.fromkeys(["vanilla", *config.hosted] + ([AUTO] if engine_method == AUTO else [])))
     if method not in choices:
@@ -234,3 +225,21 @@ def request_sparsity(config: EngineConfig, sparse: SparseParams | None, prompt_l
         if dense:
             return RequestSparsity("vanilla", None, {}, policy)
     return RequestSparsity(target, method_config, {k: getattr(method_config, k) for k in allowed}, policy)
+
+
+def sparsity_to_send(setting: RequestSparsity | None) -> tuple | None:
+    """A request's resolved choice as rank 0 sends it to the tensor-parallel followers with the
+    request: its method and knobs (small, picklable), "auto"'s decision already taken. The follower
+    rebuilds it with `sparsity_received`, the same resolution, so every rank decodes the row alike."""
+    if setting is None:
+        return None
+    return setting.method, dict(setting.knobs), setting.policy, setting.compacted
+
+
+def sparsity_received(config: EngineConfig, sent: tuple | None, prompt_len: int) -> RequestSparsity | None:
+    """A follower's RequestSparsity for what rank 0 sent (`sparsity_to_send`); rank 0 validated it."""
+    if sent is None:
+        return None
+    method, knobs, policy, compacted = sent
+    setting = request_sparsity(config, SparseParams(method, **knobs), prompt_len)
+    return dataclasses.replace(setting, policy=policy, compacted=compacted)

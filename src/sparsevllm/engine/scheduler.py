@@ -123,7 +123,7 @@ class Scheduler:
         victim = pressure.compact_victim(self.cm, self.running, capacity)
         if victim is None:
             return False
-        pressure.compact(self.cm, victim, capacity)
+        self.cm.compact_under_pressure(victim, capacity)
         self.num_pressure_compactions += 1
         if victim in scheduled:   # its reserved slot went with its old pages; the compaction freed a page
             taken = self.cm.reserve(victim, 1)

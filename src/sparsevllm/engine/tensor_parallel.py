@@ -5,7 +5,8 @@ rank is a spawned process holding its slice of the weights and a cache manager o
 (`Follower`). Rank 0 sends one command per step over the gloo command group (as nano-vllm sends
 its `run` call through shared memory): the scheduler's page decisions since the last step, then the
 step's requests. A follower replays the page decisions on its own cache manager, with mirrors of
-the requests' counters and tokens, so its allocator, block tables and prefix cache take the same
+the requests' counters, tokens and resolved sparsity (each request's method and knobs, sent with
+it once), so its allocator, block tables and prefix cache take the same
 decisions as rank 0's (SnapKV's compaction too, which allocates pages in `on_step_end` from the
 same state); then it builds the same step and runs the same forward, whose collectives pair with
 rank 0's. Under overlapped scheduling a decode input may still be on rank 0's device: rank 0
@@ -28,6 +29,7 @@ import torch.multiprocessing as mp
 from sparsevllm import distributed as tp
 from sparsevllm.config import EngineConfig
 from sparsevllm.engine.sequence import Sequence, SequenceStatus
+from sparsevllm.method_registry import sparsity_received, sparsity_to_send
 
 logger = logging.getLogger(__name__)
 
@@ -147,13 +149,16 @@ class Workers:
 
 
 def _snapshot(seq: Sequence, sent: dict[int, int]) -> tuple:
-    """What a follower needs of a request: its counters and the tokens it has not seen yet."""
+    """What a follower needs of a request: its counters and the tokens it has not seen yet; the first
+    time, its sampling params and its resolved sparsity (each row decodes with its own method and
+    knobs, which the host decisions and the step's views follow)."""
     first = seq.seq_id not in sent
     n = sent.get(seq.seq_id, 0)
     sent[seq.seq_id] = len(seq.token_ids)
     if seq.is_finished:
         sent.pop(seq.seq_id)
-    return (seq.seq_id, seq.params if first else None, seq.token_ids[n:], seq.num_prompt_tokens,
+    return (seq.seq_id, seq.params if first else None, sparsity_to_send(seq.sparse) if first else None,
+            seq.token_ids[n:], seq.num_prompt_tokens,
             seq.num_computed_tokens, seq.cache_len, seq.num_pending_tokens, seq.is_finished)
 
 
@@ -188,6 +193,11 @@ class CommandedCacheManager:
         self._record("commit", seq, num_new_tokens)
         return self._cm.commit(seq, num_new_tokens)
 
+    def compact_under_pressure(self, seq, capacity):
+        # Recorded before it runs: the follower's mirror must see the raw cache_len it compacts from.
+        self._record("compact_under_pressure", seq, capacity)
+        return self._cm.compact_under_pressure(seq, capacity)
+
     def _flush(self) -> list[tuple]:
         ops, self._ops = self._ops, []
         return ops
@@ -212,16 +222,19 @@ class CommandedCacheManager:
 class Follower:
     """A rank > 0: mirrors of the requests, the rank's model runner, and the command loop."""
 
-    def __init__(self, runner, cache_manager):
-        self.runner, self.cm = runner, cache_manager
+    def __init__(self, config: EngineConfig, runner, cache_manager):
+        self.config, self.runner, self.cm = config, runner, cache_manager
         self.seqs: dict[int, Sequence] = {}
 
     def _mirror(self, snap: tuple) -> Sequence:
-        seq_id, params, new_tokens, num_prompt, computed, cache_len, pending, finished = snap
+        seq_id, params, sparse, new_tokens, num_prompt, computed, cache_len, pending, finished = snap
         seq = self.seqs.get(seq_id)
         if seq is None:
             seq = self.seqs[seq_id] = Sequence(new_tokens, params)
             seq.seq_id = seq_id
+            # Rebuilt by the same resolution as rank 0's; later changes (a compaction under
+            # pressure) the follower makes itself when it replays them.
+            seq.sparse = sparsity_received(self.config, sparse, num_prompt)
         else:
             seq.token_ids.extend(new_tokens)
         seq.num_prompt_tokens, seq.num_computed_tokens, seq.cache_len = num_prompt, computed, cache_len
@@ -292,7 +305,7 @@ def follower_main(rank: int, world: int, port: int, config: EngineConfig, model_
         tp.init_tensor_parallel(rank, world, port, backend_for(device_type))
         model_cfg = ModelConfig.from_dict(read_config_json(model_path))
         runner = ModelRunner(config, model_path, model_cfg)
-        Follower(runner, make_cache_manager(config, model_cfg, runner)).loop()
+        Follower(config, runner, make_cache_manager(config, model_cfg, runner)).loop()
         runner.release_graphs()
     except BaseException:
         errors.put((rank, traceback.format_exc()))

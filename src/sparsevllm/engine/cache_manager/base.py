@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from sparsevllm.config import EngineConfig, MethodConfig
+from sparsevllm.engine.cache_manager import pressure
 from sparsevllm.engine.kv_pool import KVPool, PageAllocator, PageTables, kv_storage_dtype
 from sparsevllm.engine.sequence import Sequence
 from sparsevllm.engine.step import DecodeView, PrefillView, StepState, StoreTarget
@@ -188,6 +189,12 @@ class CacheManager:
 
     def free(self, seq: Sequence) -> None:
         self.tables.close(seq)
+
+    def compact_under_pressure(self, seq: Sequence, capacity: int) -> None:
+        """"auto" under memory pressure: keep capacity of seq's stored tokens per layer and KV head
+        (cache_manager/pressure.py). A host decision of its own, so tensor-parallel followers replay
+        it (each rank scores its own KV heads; the pages taken and freed follow from the counters)."""
+        pressure.compact(self, seq, capacity)
 
     def promised_pages(self, seq: Sequence) -> int:
         """Free pages this manager has promised to work of the current step other than seq's (SnapKV:

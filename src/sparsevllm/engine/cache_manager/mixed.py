@@ -65,7 +65,7 @@ class MixedCacheManager(CacheManager):
         caps = [c.capabilities for c in classes]
         self.capabilities = Capabilities(
             cuda_graph=all(c.cuda_graph for c in caps), prefix_cache=all(c.prefix_cache for c in caps),
-            tensor_parallel=False, dense_decode=all(c.dense_decode for c in caps),
+            tensor_parallel=all(c.tensor_parallel for c in caps), dense_decode=all(c.dense_decode for c in caps),
             fp8_kv_cache=all(c.fp8_kv_cache for c in caps))
         super().__init__(config, model_config, num_kv_heads, num_pages, dtype, device)
         self.members = [cls(member_config(config, name), model_config, num_kv_heads, num_pages, dtype, device, self)
