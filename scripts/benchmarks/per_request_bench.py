@@ -3,6 +3,7 @@
     python scripts/benchmarks/per_request_bench.py mixed [LENGTH]   # QuEST x 2 + vanilla x 2 in one batch
     python scripts/benchmarks/per_request_bench.py auto [LENGTH] [BATCH]   # "auto" against vanilla, short prompts
     python scripts/benchmarks/per_request_bench.py pressure [LENGTH]   # 4 x LENGTH in a pool that admits 2
+    python scripts/benchmarks/per_request_bench.py workload [LENGTH]   # 24 x 2K chats + 4 x LENGTH documents
 
 Llama-3.1-8B shape (PRESET=<name> for another preset), random bf16 weights, CUDA graphs, overlapped
 scheduling, output 256, default QuEST knobs; the measurement of ab_decode.py (bench_case.timing_metrics'
@@ -22,6 +23,12 @@ are admitted, and their outputs outgrow the pool. Vanilla preempts and recompute
 wall time of the whole generate (prefill included), prompt tokens prefilled, preemptions,
 compactions; the target is no recompute (prefilled == 4 x LENGTH, no preemption) and the wall time
 against vanilla's.
+workload: 24 distinct chats of 2,048 tokens and 4 documents of LENGTH (128000; one prompt, prefilled
+once by the warm-up) in one generate, output 256, in a vanilla, a QuEST and an "auto" engine (chats
+below auto_dense_below decode dense, documents with QuEST). ROW per engine and group (all, chats,
+documents): decode tok/s and ITL over the stable window. The targets: auto's chats' ITL within 5% of
+vanilla's, its documents' decode within 5% of QuEST's, and its total against both. 4 x 128K + the chats
+hold ~73 GB of bf16 KV beside 16 GB of weights: an H200 (on an H100 vanilla's documents queue).
 """
 import argparse
 import gc
@@ -38,15 +45,16 @@ from sparsevllm import LLM, SamplingParams, SparseParams  # noqa: E402
 
 OUTPUT = 256
 ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-ap.add_argument("case", choices=["mixed", "auto", "pressure"])
+ap.add_argument("case", choices=["mixed", "auto", "pressure", "workload"])
 ap.add_argument("length", type=int, nargs="?", default=None)
 ap.add_argument("batch", type=int, nargs="?", default=32)
 args = ap.parse_args()
 cfg = json.load(open(os.path.join("src/sparsevllm/presets", os.environ.get("PRESET", "llama-3.1-8b") + ".json")))
 mdir = tempfile.mkdtemp()
 json.dump(cfg, open(os.path.join(mdir, "config.json"), "w"))
-length = args.length or (128000 if args.case == "mixed" else 4096)
-batch = 4 if args.case in ("mixed", "pressure") else args.batch
+length = args.length or (128000 if args.case in ("mixed", "pressure", "workload") else 4096)
+CHATS, CHAT_LEN = 24, 2048
+batch = {"mixed": 4, "pressure": 4, "workload": CHATS + 4}.get(args.case, args.batch)
 DECODE = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=OUTPUT)
 
 
@@ -128,6 +136,25 @@ elif args.case == "pressure":
                                  wall_auto_over_vanilla=rows["auto"]["wall_s"] / rows["vanilla"]["wall_s"],
                                  no_recompute=rows["auto"]["prefilled_tokens"] == 4 * length
                                  and rows["auto"]["preemptions"] == 0)), flush=True)
+elif args.case == "workload":
+    chats = make_prompts(cfg, CHATS, CHAT_LEN, seed=2)
+    groups = {"all": range(CHATS + 4), "chats": range(CHATS), "documents": range(CHATS, CHATS + 4)}
+    for method in ("vanilla", "quest", "auto"):
+        llm, doc = engine(method)
+        start = time.perf_counter()
+        outs = llm.generate(chats + [doc] * 4, DECODE, use_tqdm=False)
+        assert all(o.error is None for o in outs), [o.error for o in outs]
+        ms = [o.metrics for o in outs]
+        for name, rows in groups.items():
+            m = timing_metrics(start, [ms[i]["first_token_time"] for i in rows], [ms[i]["finish_time"] for i in rows],
+                               [ms[i]["token_times"] for i in rows], len(rows), length)
+            print("ROW", json.dumps(dict(case=f"workload {method} {name}", engine=method, group=name, requests=len(rows),
+                                         decode_tok_s=m["decode_tok_s"], itl_p50_ms=m["itl_p50_ms"],
+                                         itl_p99_ms=m["itl_p99_ms"], ttft_max_s=m["ttft_max_s"],
+                                         sparse=sorted({ms[i]["sparse"]["method"] for i in rows}),
+                                         device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")),
+                  flush=True)
+        close(llm)
 else:
     rows = {}
     for method in ("vanilla", "auto"):

@@ -20,3 +20,8 @@ timeout 200 python -m pytest -q -m gpu tests/test_per_request.py tests/test_ques
 timeout 200 python scripts/benchmarks/per_request_bench.py mixed 128000 2>&1 | tee "$out/mixed.log" | grep '^ROW'
 timeout 100 python scripts/benchmarks/per_request_bench.py auto 4096 32 2>&1 | tee "$out/auto.log" | grep '^ROW'
 timeout 400 python scripts/benchmarks/per_request_bench.py pressure 128000 2>&1 | tee "$out/pressure.log" | grep '^ROW'
+# The mixed workload (24 x 2K chats + 4 x 128K documents, vanilla / QuEST / auto engines): an H200 call of
+# its own (~73 GB of KV), `WORKLOAD=1` to run it here.
+if [ -n "${WORKLOAD:-}" ]; then
+  timeout 500 python scripts/benchmarks/per_request_bench.py workload 128000 2>&1 | tee "$out/workload.log" | grep '^ROW'
+fi
