@@ -115,8 +115,8 @@ class Scheduler:
 
     def _compact_for_pages(self, scheduled: list[Sequence]) -> bool:
         """"auto" under memory pressure: compact the running request whose compaction frees the most
-        pages (SnapKV-style, cache_manager/pressure.py) instead of preempting one; False when no
-        request can free any (then preemption, as before)."""
+        pages (cache_manager/pressure.py) instead of preempting one; False when no request can free
+        any (then preemption, as before)."""
         if not self.compact_on_pressure:
             return False
         capacity = self.config.auto_compact_capacity
