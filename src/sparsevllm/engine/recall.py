@@ -40,7 +40,8 @@ class RecallSample:
         self.rows = rows
         self.stats = torch.zeros(batch_size, num_layers, 3, dtype=torch.float32, device=device)
         # Only the marked rows pay for a dense pass: the others' dense lengths are set to 0.
-        self.marked = to_device([i in set(rows) for i in range(batch_size)], device, torch.bool)
+        marked = set(rows)
+        self.marked = to_device([i in marked for i in range(batch_size)], device, torch.bool)
 
     def record(self, layer_id: int, recall: torch.Tensor, error: torch.Tensor, measured: torch.Tensor) -> None:
         """recall, error, measured: [B] (measured bool): one layer's numbers for every row."""
