@@ -1,31 +1,13 @@
 """What tests/test_per_request.py and tests/test_mixed_methods.py share: the engine size, greedy
-decoding, a second budget per method, random prompts, and a request run alone in an engine launched
+decoding, a second budget per method, and a request run alone in an engine launched
 with its method and knobs (the reference every mixed batch is compared with)."""
-import numpy as np
-import pytest
-import torch
-
 from sparsevllm import LLM, SamplingParams
 
-CUDA = torch.cuda.is_available()
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 BASE = dict(page_size=4, max_model_len=512, max_num_seqs=16)
 # A second budget per method, below the engine's, that a request asks for (sparser than its neighbours).
 OTHER = {"quest": dict(quest_token_budget=16), "omnikv": dict(omnikv_num_selected=8),
          "snapkv": dict(snapkv_capacity=24)}
-
-
-def gpu(fn):
-    return pytest.mark.gpu(pytest.mark.skipif(not CUDA, reason="needs CUDA")(fn))
-
-
-def prompts(lengths, seed=0):
-    rng = np.random.default_rng(seed)
-    return [rng.integers(3, 250, n).tolist() for n in lengths]
-
-
-def ids(outs):
-    return [o.outputs[0].token_ids for o in outs]
 
 
 def alone(model, method, knobs, prompt, gen=GREEDY, **engine):

@@ -3,22 +3,16 @@ tokens of step t reach step t + 1's inputs on the device and the host one step l
 equal the synchronous engine's token for token, for every method, whatever finishes when:
 stop tokens (which cost one discarded extra step), length limits, preemption, prefix-cache hits, a
 request that fails alone. Allocators must be idle after every run."""
-import numpy as np
 import pytest
 import torch
 
+from helpers import CUDA, prompts
 from method_knobs import METHOD_KNOBS
 from sparsevllm import LLM, SamplingParams
 from sparsevllm.method_registry import get_method
 
-CUDA = torch.cuda.is_available()
 # DeltaKV's overlap is tested in tests/test_deltakv.py, with the compressor and 4-layer model it needs.
 METHODS = {method: knobs for method, knobs in METHOD_KNOBS.items() if method != "deltakv"}
-
-
-def prompts(lengths, seed=0):
-    rng = np.random.default_rng(seed)
-    return [rng.integers(3, 250, n).tolist() for n in lengths]
 
 
 def build(path, method, async_scheduling, **knobs):

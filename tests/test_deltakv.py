@@ -16,6 +16,7 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
+from helpers import CUDA, gpu, prompts  # noqa: E402
 from method_knobs import METHOD_KNOBS  # noqa: E402
 from sparsevllm import LLM, SamplingParams  # noqa: E402
 from sparsevllm.engine.cache_manager.deltakv import compressor as dc  # noqa: E402
@@ -26,19 +27,9 @@ from sparsevllm.kernels import deltakv as kd  # noqa: E402
 from sparsevllm.method_registry import make_config  # noqa: E402
 from sparsevllm.models.config import ModelConfig, read_config_json  # noqa: E402
 
-CUDA = torch.cuda.is_available()
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 SMALL = dict(METHOD_KNOBS["deltakv"])
 interp = pytest.mark.skipif(CUDA, reason="interpreter tests run on CPU-only machines")
-
-
-def gpu(fn):
-    return pytest.mark.gpu(pytest.mark.skipif(not CUDA, reason="needs CUDA")(fn))
-
-
-def prompts(lengths, seed=0):
-    rng = np.random.default_rng(seed)
-    return [rng.integers(3, 250, n).tolist() for n in lengths]
 
 
 def model(tiny_model, arch="llama"):

@@ -7,7 +7,6 @@ against their references (interpreter on CPU, bf16 and graph replay on the GPU).
 """
 import os
 
-import numpy as np
 import torch
 
 if not torch.cuda.is_available():
@@ -15,13 +14,13 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
+from helpers import CUDA, gpu, prompts, token_ids  # noqa: E402
 from method_knobs import METHOD_KNOBS  # noqa: E402
 from sparsevllm import LLM, SamplingParams  # noqa: E402
 from sparsevllm.engine.cache_manager import hisparse as hs  # noqa: E402
 from sparsevllm.kernels import hisparse as hk  # noqa: E402
 from sparsevllm.method_registry import make_config  # noqa: E402
 
-CUDA = torch.cuda.is_available()
 P = 4
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 # The table's 16-token budget in pages of 4: 4 top-k pages + 2 recent + current = a 7-page view; a
@@ -29,20 +28,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 KNOBS = dict(METHOD_KNOBS["hisparse"], page_size=P, chunk_prefill_size=64)
 
 
-def gpu(fn):
-    return pytest.mark.gpu(pytest.mark.skipif(not CUDA, reason="needs CUDA")(fn))
-
-
 interp = pytest.mark.skipif(CUDA, reason="interpreter tests run on CPU-only machines")
-
-
-def prompts(lengths, seed=0):
-    rng = np.random.default_rng(seed)
-    return [rng.integers(3, 250, n).tolist() for n in lengths]
-
-
-def token_ids(outs):
-    return [o.outputs[0].token_ids for o in outs]
 
 
 def hisparse(path, **knobs):

@@ -17,16 +17,12 @@ import pytest  # noqa: E402
 
 pytest.importorskip("triton")
 
+from helpers import CUDA, gpu  # noqa: E402
 from sparsevllm.kernels import decode_attention as da  # noqa: E402
 from sparsevllm.kernels import prefill_attention as pa, rmsnorm, rope_store as rs, silu_mul  # noqa: E402
 from sparsevllm.kernels import skinny_gemm  # noqa: E402
 
-CUDA = torch.cuda.is_available()
 interp = pytest.mark.skipif(CUDA, reason="interpreter tests run on CPU-only machines")
-
-
-def gpu(fn):
-    return pytest.mark.gpu(pytest.mark.skipif(not CUDA, reason="needs CUDA")(fn))
 
 
 TOL = {torch.float32: (1e-4, 1e-4), torch.float16: (2e-3, 2e-3), torch.bfloat16: (2e-2, 2e-2)}

@@ -15,9 +15,9 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
+from helpers import CUDA, gpu, prompts, token_ids  # noqa: E402
 from method_knobs import METHOD_KNOBS  # noqa: E402
-from per_request_helpers import (BASE, CUDA, GREEDY, OTHER, alone, gpu, ids, prompts,  # noqa: E402
-                                 run_noting_preemptions)
+from per_request_helpers import BASE, GREEDY, OTHER, alone, run_noting_preemptions  # noqa: E402
 from sparsevllm import LLM, SamplingParams, SparseParams  # noqa: E402
 from sparsevllm.engine.sequence import Sequence  # noqa: E402
 from sparsevllm.kernels import decode_attention as da  # noqa: E402
@@ -64,7 +64,7 @@ def test_a_batch_of_every_method_equals_each_request_alone(tiny_model, layout, o
     assert [o.metrics["sparse"]["method"] for o in outs] == [m for m, _ in wanted]
     assert outs[4].metrics["sparse"]["knobs"] == {"omnikv_num_selected": 8}
     want = [alone(model, m, k, p) for p, (m, k) in zip(ps, wanted)]
-    assert ids(outs) == want
+    assert token_ids(outs) == want
     # the rows differ from one another's methods: each ran its own
     assert want[3] != alone(model, "quest", own_knobs("quest"), ps[3]) or \
         want[5] != alone(model, "vanilla", {}, ps[5])
@@ -78,7 +78,7 @@ def test_a_vanilla_engine_hosting_methods_serves_them_and_defaults_to_dense(tiny
                         sparse_params=[None, SparseParams(method="quest"), SparseParams(method="snapkv")])
     assert llm.engine.cache_manager.allocator.is_idle()
     assert [o.metrics["sparse"]["method"] for o in outs] == ["vanilla", "quest", "snapkv"]
-    assert ids(outs) == [alone(model, "vanilla", {}, ps[0]), alone(model, "quest", METHOD_KNOBS["quest"], ps[1]),
+    assert token_ids(outs) == [alone(model, "vanilla", {}, ps[0]), alone(model, "quest", METHOD_KNOBS["quest"], ps[1]),
                          alone(model, "snapkv", METHOD_KNOBS["snapkv"], ps[2])]
 
 
@@ -100,7 +100,7 @@ def test_prefix_hits_across_methods_equal_misses(tiny_model):
         assert len(cm.cached_prefix(probe)) > 0
     outs = llm.generate(second, GREEDY, use_tqdm=False, sparse_params=[SparseParams(method=m, **k) for m, k in rows])
     assert cm.allocator.is_idle()
-    assert ids(outs) == [alone(model, m, {**own_knobs(m), **k}, p) for p, (m, k) in zip(second, rows)]
+    assert token_ids(outs) == [alone(model, m, {**own_knobs(m), **k}, p) for p, (m, k) in zip(second, rows)]
 
 
 def test_a_mixed_batch_under_preemption(tiny_model):
@@ -168,7 +168,7 @@ def test_auto_with_mixed_methods_picks_between_dense_and_its_method(tiny_model):
     ps = prompts([150, 80, 130])
     outs = llm.generate(ps, GREEDY, use_tqdm=False, sparse_params=[None, None, SparseParams(method="omnikv")])
     assert [o.metrics["sparse"]["method"] for o in outs] == ["quest", "vanilla", "omnikv"]
-    assert ids(outs) == [alone(model, "quest", METHOD_KNOBS["quest"], ps[0]), alone(model, "vanilla", {}, ps[1]),
+    assert token_ids(outs) == [alone(model, "quest", METHOD_KNOBS["quest"], ps[0]), alone(model, "vanilla", {}, ps[1]),
                          alone(model, "omnikv", METHOD_KNOBS["omnikv"], ps[2])]
     assert llm.engine.cache_manager.allocator.is_idle()
 
@@ -255,10 +255,10 @@ def test_recall_in_a_mixed_engine_measures_each_row_by_its_method(tiny_model):
     model = tiny_model(num_hidden_layers=3)
     ps, sparse, _ = mixed_case()
     plain = LLM(model, "quest", mixed_methods=MIXED, **BASE, **launch_knobs())
-    want = ids(plain.generate(ps, GREEDY, use_tqdm=False, sparse_params=sparse))
+    want = token_ids(plain.generate(ps, GREEDY, use_tqdm=False, sparse_params=sparse))
     llm = LLM(model, "quest", mixed_methods=MIXED, **BASE, **launch_knobs(), recall_sample_every=2)
     outs = llm.generate(ps, GREEDY, use_tqdm=False, sparse_params=sparse)
-    assert ids(outs) == want and llm.engine.cache_manager.allocator.is_idle()
+    assert token_ids(outs) == want and llm.engine.cache_manager.allocator.is_idle()
     recall = [o.metrics["attention_recall"] for o in outs]
     assert recall[0]["mean"] == 1.0 and recall[0]["output_rel_error"] == 0.0          # vanilla
     for i in (1, 2, 3, 4):                                                              # QuEST, OmniKV rows
@@ -279,4 +279,4 @@ def test_gpu_a_batch_of_every_method_under_graphs_equals_each_request_alone(tiny
     outs = llm.generate(ps, GREEDY, use_tqdm=False, sparse_params=sparse)
     assert llm.engine.cache_manager.allocator.is_idle()
     want = [alone(model, m, k, p, device="cuda", dtype="float32") for p, (m, k) in zip(ps, wanted)]
-    assert ids(outs) == want
+    assert token_ids(outs) == want

@@ -4,7 +4,6 @@ covers the prompt (batch 1 and > 1, chunked prefill, prefix-cache hits), bad kno
 any weight loads, and the kernels against their references."""
 import os
 
-import numpy as np
 import torch
 
 if not torch.cuda.is_available():
@@ -12,6 +11,7 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
+from helpers import CUDA, gpu, prompts  # noqa: E402
 from method_knobs import METHOD_KNOBS  # noqa: E402
 from sparsevllm import LLM, SamplingParams  # noqa: E402
 from sparsevllm.engine.cache_manager.cross_layer import layer_roles  # noqa: E402
@@ -19,20 +19,10 @@ from sparsevllm.engine.cache_manager.omnikv import default_filter_layers  # noqa
 from sparsevllm.kernels import omnikv as ok, token_select as tsel  # noqa: E402
 from sparsevllm.method_registry import make_config  # noqa: E402
 
-CUDA = torch.cuda.is_available()
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 # 4 layers: dense, filter, wait, sparse, so that a wait layer and a dense layer before the filter run too
 KNOBS = dict(METHOD_KNOBS["omnikv"], omnikv_filter_layers=[1], omnikv_wait_layers=1)
 interp = pytest.mark.skipif(CUDA, reason="interpreter tests run on CPU-only machines")
-
-
-def gpu(fn):
-    return pytest.mark.gpu(pytest.mark.skipif(not CUDA, reason="needs CUDA")(fn))
-
-
-def prompts(lengths, seed=0):
-    rng = np.random.default_rng(seed)
-    return [rng.integers(3, 250, n).tolist() for n in lengths]
 
 
 def model(tiny_model, arch="llama"):

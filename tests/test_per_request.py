@@ -17,9 +17,9 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
+from helpers import CUDA, gpu, prompts, token_ids  # noqa: E402
 from method_knobs import METHOD_KNOBS  # noqa: E402
-from per_request_helpers import (BASE, CUDA, GREEDY, OTHER, alone, gpu, ids, prompts,  # noqa: E402
-                                 run_noting_preemptions)
+from per_request_helpers import BASE, GREEDY, OTHER, alone, run_noting_preemptions  # noqa: E402
 from sparsevllm import LLM, SamplingParams, SparseParams  # noqa: E402
 from sparsevllm.engine.sequence import Sequence  # noqa: E402
 from sparsevllm.kernels import page_select as psel  # noqa: E402
@@ -52,7 +52,7 @@ def test_a_mixed_batch_equals_each_request_alone(tiny_model, method, overlap):
     assert llm.engine.cache_manager.allocator.is_idle()
     assert all(o.error is None for o in outs)
     want = [alone(model, m, k, p) for p, (m, k) in zip(ps, wanted)]
-    assert ids(outs) == want
+    assert token_ids(outs) == want
     # the rows differ: a vanilla row is not the method's, nor the other budget the engine's
     assert want[0] != alone(model, method, ENGINE[method], ps[0]) or want[2] != alone(model, method, ENGINE[method], ps[2])
     assert [o.metrics["sparse"]["method"] for o in outs] == [m for m, _ in wanted]
@@ -77,7 +77,7 @@ def test_prefix_hits_across_per_request_settings_equal_misses(tiny_model, method
     assert all(len(cm.cached_prefix(probe)) > 0 for probe in probes)
     outs = llm.generate(second, GREEDY, use_tqdm=False, sparse_params=sparse)
     assert cm.allocator.is_idle()
-    assert ids(outs) == [alone(model, method, {**ENGINE[method], **OTHER[method]}, second[0]),
+    assert token_ids(outs) == [alone(model, method, {**ENGINE[method], **OTHER[method]}, second[0]),
                          alone(model, "vanilla", {}, second[1])]
 
 
@@ -166,7 +166,7 @@ def test_auto_decodes_short_prompts_densely_and_long_ones_with_its_method(tiny_m
     want = [alone(model, "quest", knobs, ps[0]), alone(model, "vanilla", {}, ps[1]), alone(model, "vanilla", {}, ps[2]),
             alone(model, "quest", {**knobs, "quest_token_budget": 8}, ps[3]),
             alone(model, "quest", {**knobs, "quest_token_budget": 32}, ps[4])]
-    assert ids(outs) == want
+    assert token_ids(outs) == want
 
 
 def test_auto_knobs_are_validated_at_launch(tiny_model):
@@ -269,7 +269,7 @@ def test_gpu_a_mixed_batch_under_graphs_equals_each_request_alone(tiny_model, me
     outs = llm.generate(ps, GREEDY, use_tqdm=False, sparse_params=sparse)
     assert llm.engine.cache_manager.allocator.is_idle()
     want = [alone(model, m, k, p, device="cuda", dtype="float32") for p, (m, k) in zip(ps, wanted)]
-    assert ids(outs) == want
+    assert token_ids(outs) == want
 
 
 # ---------------------------------------------------------------- the server

@@ -10,7 +10,6 @@ shape (garbage past each row), so the selection path the graphs run is tested he
 """
 import os
 
-import numpy as np
 import torch
 
 if not torch.cuda.is_available():
@@ -18,25 +17,12 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
+from helpers import CUDA, gpu, prompts, token_ids  # noqa: E402
 from sparsevllm import LLM, SamplingParams  # noqa: E402
 from sparsevllm.method_registry import make_config  # noqa: E402
 from sparsevllm.kernels import page_select as psel, quest as qk  # noqa: E402
 
-CUDA = torch.cuda.is_available()
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-
-
-def gpu(fn):
-    return pytest.mark.gpu(pytest.mark.skipif(not CUDA, reason="needs CUDA")(fn))
-
-
-def prompts(lengths, seed=0):
-    rng = np.random.default_rng(seed)
-    return [rng.integers(3, 250, n).tolist() for n in lengths]
-
-
-def token_ids(outs):
-    return [o.outputs[0].token_ids for o in outs]
 
 
 def graph_shaped(llm):

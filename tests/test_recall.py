@@ -14,26 +14,17 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
+from helpers import CUDA, gpu, prompts  # noqa: E402
 from method_knobs import METHOD_KNOBS  # noqa: E402
 from sparsevllm import LLM, SamplingParams  # noqa: E402
 from sparsevllm.kernels import decode_attention as da  # noqa: E402
 from sparsevllm.method_registry import make_config  # noqa: E402
 from test_deltakv import compressor  # noqa: E402
 
-CUDA = torch.cuda.is_available()
 SP = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 interp = pytest.mark.skipif(CUDA, reason="interpreter tests run on CPU-only machines")
 KNOBS = {**METHOD_KNOBS, "hisparse": dict(METHOD_KNOBS["hisparse"], page_size=4, chunk_prefill_size=64),
          "deltakv": dict(METHOD_KNOBS["deltakv"], deltakv_decode_keep=8)}
-
-
-def gpu(fn):
-    return pytest.mark.gpu(pytest.mark.skipif(not CUDA, reason="needs CUDA")(fn))
-
-
-def prompts(lengths, seed=0):
-    rng = np.random.default_rng(seed)
-    return [rng.integers(3, 250, n).tolist() for n in lengths]
 
 
 @pytest.fixture(scope="module")

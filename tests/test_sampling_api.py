@@ -6,19 +6,14 @@ import logging
 import re
 import warnings
 
-import numpy as np
 import pytest
 import torch
 
+from helpers import prompts
 from sparsevllm import LLM, SamplingParams
 from sparsevllm.outputs import CompletionOutput, RequestOutput
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-
-
-def prompts(lengths, seed=0):
-    rng = np.random.default_rng(seed)
-    return [rng.integers(3, 250, n).tolist() for n in lengths]
 
 
 @pytest.fixture(scope="module")

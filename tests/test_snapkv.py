@@ -16,21 +16,17 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
+from helpers import CUDA, gpu  # noqa: E402
 from method_knobs import METHOD_KNOBS  # noqa: E402
 from sparsevllm import LLM, SamplingParams  # noqa: E402
 from sparsevllm.method_registry import make_config  # noqa: E402
 from sparsevllm.kernels import snapkv as sk  # noqa: E402
 
-CUDA = torch.cuda.is_available()
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 # Pages of 16 and a capacity of 4 of them: prompts of 150 tokens are 10 pages raw, 4 after compaction.
 P, C = 16, 64
 KNOBS = dict(METHOD_KNOBS["snapkv"], page_size=P, snapkv_capacity=C)
 W = KNOBS["snapkv_window_size"]
-
-
-def gpu(fn):
-    return pytest.mark.gpu(pytest.mark.skipif(not CUDA, reason="needs CUDA")(fn))
 
 
 def prompts(n=3, base=150, step=23):
