@@ -238,7 +238,7 @@ def test_synthetic_prompts_have_exact_length_and_no_special_ids():
 
 @pytest.mark.parametrize("args, message", [
     (["--hyper_params", "{not json"], "--hyper_params is not valid JSON"),
-    (["--hyper_params", "[1, 2]"], "must be a JSON object"),
+    (["--hyper_params", "[1, 2]"], "is not a JSON object"),
     (["--hyper_params", '{"page_sise": 16}'], "did you mean 'page_size'"),
     (["--hyper_params", '{"vllm_sparse_method": "vanilla"}'], "use --methods"),
     (["--methods", "vanilla,nosuchmethod"], "unknown method 'nosuchmethod'"),

@@ -138,12 +138,8 @@ def validate(args) -> dict:
         raise ValueError(f"--repeat {args.repeat} is invalid; it must be >= 1")
     if args.hbm_bw is not None and args.hbm_bw <= 0:
         raise ValueError(f"--hbm_bw {args.hbm_bw} is invalid; it must be a positive bytes/s figure")
-    try:
-        knobs = json.loads(args.hyper_params)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"--hyper_params is not valid JSON ({e}): {args.hyper_params!r}") from None
-    if not isinstance(knobs, dict):
-        raise ValueError(f"--hyper_params must be a JSON object of knob: value, got {type(knobs).__name__}")
+    from sparsevllm.config import json_knobs
+    knobs = json_knobs(args.hyper_params, "--hyper_params")
     for key, flag in RESERVED_KNOBS.items():
         if key in knobs:
             raise ValueError(f"--hyper_params must not set {key!r}; use {flag}")

@@ -1,11 +1,11 @@
 """python -m sparsevllm [PROMPT ...]: generate with any model and method from the command line."""
 import argparse
-import json
 import logging
 import sys
 import time
 
 from sparsevllm import SamplingParams, available_methods
+from sparsevllm.config import json_knobs
 
 
 def main(argv=None) -> int:
@@ -23,11 +23,9 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
-        knobs = json.loads(args.hyper_params)
-    except json.JSONDecodeError as e:
-        ap.error(f"--hyper_params is not valid JSON ({e}): {args.hyper_params!r}")
-    if not isinstance(knobs, dict):
-        ap.error(f"--hyper_params must be a JSON object of knob: value, got {args.hyper_params!r}")
+        knobs = json_knobs(args.hyper_params, "--hyper_params")
+    except ValueError as e:
+        ap.error(str(e))
     from sparsevllm import LLM   # torch and the engine: not needed for --help or a usage error
     try:
         if args.tp != 1:

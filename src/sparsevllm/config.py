@@ -6,6 +6,7 @@ method name (quest_token_budget). `method_registry.make_config` splits and valid
 loading a model, so the benchmark and the harness can reject bad input before any weights move.
 This module imports nothing of the package: the cache managers and the registry build on it.
 """
+import json
 from dataclasses import dataclass, field, fields
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -30,6 +31,19 @@ def need(ok: bool, knob: str, value, valid: str) -> None:
     """The one error of a bad knob: its name, the value given and what is valid."""
     if not ok:
         raise ValueError(f"{knob}={value!r} is invalid; valid: {valid}")
+
+
+def json_knobs(text: str, flag: str | None = None) -> dict:
+    """A command line's JSON object of knob: value (the server's, the benchmark's and the harness's
+    --hyper_params); a ValueError naming the flag, when given, if it is not JSON or not an object."""
+    where = f"{flag} is " if flag else ""
+    try:
+        knobs = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{where}not valid JSON ({e}): {text!r}") from None
+    if not isinstance(knobs, dict):
+        raise ValueError(f"{where}not a JSON object of knob: value: {text!r}")
+    return knobs
 
 
 class Knobs:

@@ -1,10 +1,10 @@
 """Command line: python -m sparsevllm.regression --methods quest --lengths 1k,2k,4k ..."""
 
 import argparse
-import json
 import logging
 import sys
 
+from sparsevllm.config import json_knobs
 from sparsevllm.regression.runner import DEFAULT_TASKS, RunConfig, Runner
 
 
@@ -24,12 +24,12 @@ def comma_list(text: str) -> list[str]:
     return [t.strip() for t in text.split(",") if t.strip()]
 
 
-def json_value(text: str):
+def json_object(text: str) -> dict:
     try:
-        return json.loads(text)
-    except json.JSONDecodeError as e:
-        # argparse prefixes "argument --hyper_params: "; its default "invalid loads value" hides why.
-        raise argparse.ArgumentTypeError(f"not valid JSON ({e}): {text!r}") from None
+        return json_knobs(text)
+    except ValueError as e:
+        # argparse prefixes "argument --hyper_params: "; its default "invalid json_object value" hides why.
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def parse_args(argv=None) -> RunConfig:
@@ -49,7 +49,7 @@ def parse_args(argv=None) -> RunConfig:
     p.add_argument("--lengths", type=lambda s: [parse_length(x) for x in comma_list(s)],
                    default="1k,2k,4k", help="target prompt lengths in tokens (4k = 4096)")
     p.add_argument("--samples", type=int, default=20, help="samples per task and length")
-    p.add_argument("--hyper_params", type=json_value, default="{}",
+    p.add_argument("--hyper_params", type=json_object, default="{}",
                    help="JSON engine/method knobs; a method-name key holds that method's overrides, "
                         "a list value is swept, e.g. "
                         "'{\"max_num_seqs\": 8, \"quest\": {\"quest_token_budget\": [256, 512]}}'")

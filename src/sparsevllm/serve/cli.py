@@ -15,15 +15,12 @@ import json
 import os
 import sys
 
+from sparsevllm.config import json_knobs
+
 
 def parse_knobs(extra: list[str], hyper_params: str) -> dict:
     """`--name value` pairs (name with - or _, value as JSON where it parses) and --hyper-params JSON."""
-    try:
-        knobs = json.loads(hyper_params)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"--hyper-params is not valid JSON ({e}): {hyper_params!r}") from None
-    if not isinstance(knobs, dict):
-        raise ValueError(f"--hyper-params must be a JSON object of knob: value, got {hyper_params!r}")
+    knobs = json_knobs(hyper_params, "--hyper-params")
     i = 0
     while i < len(extra):
         name = extra[i]
