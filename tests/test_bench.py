@@ -395,3 +395,18 @@ def test_fp8_rows_count_fp8_bytes_and_scales_in_the_roofline():
     with pytest.raises(ValueError, match="contradicts"):
         bench_sparse_vllm.validate(bench_sparse_vllm.build_parser().parse_args(
             ["--model_path", "tiny", "--kv_cache_dtype", "fp8", "--hyper_params", '{"kv_cache_dtype": "auto"}']))
+
+
+def test_paired_samples_counts_the_samples_two_settings_score_differently(tmp_path, capsys):
+    import paired_samples
+    rows = []
+    for i, (auto, fp8) in enumerate([(1.0, 1.0), (1.0, 0.0), (0.0, 1.0), (0.0, 0.0), (1.0, 0.0)]):
+        for setting, score in (("auto", auto), ("fp8", fp8)):
+            rows.append(dict(method="quest", task="niah", length=2048, index=i, sweep={"kv_cache_dtype": setting},
+                             error=None, output="same" if auto == fp8 else setting, score=score))
+    rows.append(dict(method="quest", task="niah", length=2048, index=5, sweep={"kv_cache_dtype": "auto"},
+                     error=None, output="x", score=1.0))   # unpaired: left out
+    path = tmp_path / "samples.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    paired_samples.main([str(path)])
+    assert capsys.readouterr().out.splitlines()[-1] == "| quest | niah | 2048 | 60.0 | 40.0 | 2 / 5 | 2 | 1 |"
