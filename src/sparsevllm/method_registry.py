@@ -107,10 +107,13 @@ def make_config(model: str | None = None, vllm_sparse_method: str | None = None,
     for cls in mixed:   # before the engine's checks: a method may dictate an engine knob (QuEST's page size)
         configs[cls.method_name].validate(cfg)
     cfg.validate()
-    for cls in [method_cls] + mixed:
+    for cls in [method_cls] + mixed:   # an engine hosting several methods can do what each of them can
         if cfg.kv_cache_dtype != "auto" and not cls.capabilities.fp8_kv_cache:
             raise ValueError(f"kv_cache_dtype={cfg.kv_cache_dtype!r} is not supported by vllm_sparse_method="
                              f"{cls.method_name!r} yet; valid: auto")
+        if cfg.tensor_parallel_size > 1 and not cls.capabilities.tensor_parallel:
+            raise ValueError(f"vllm_sparse_method={cls.method_name!r} does not support "
+                             f"tensor_parallel_size={cfg.tensor_parallel_size} yet; use tensor_parallel_size=1")
     quest = cfg.hosted.get("quest")
     if mixed and "omnikv" in cfg.hosted and quest is not None and quest[1].quest_selection == "query_head":
         # A mixed layer's one decode view is per KV head at most where an OmniKV filter layer's

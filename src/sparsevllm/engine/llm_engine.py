@@ -87,14 +87,6 @@ class LLMEngine:
     def _start_workers(self, config: EngineConfig, model_cfg: ModelConfig):
         """Check the split before anything loads, then spawn ranks 1..N-1 (rank 0 is this process)."""
         n = config.tensor_parallel_size
-        # An engine hosting several methods (mixed_methods) splits if every hosted one does: the
-        # followers route each row by its own method, as rank 0 does.
-        mixed = config.method.method_name == "mixed"
-        classes = [cls for cls, _ in config.hosted.values()] if mixed else [config.method]
-        for cls in classes:
-            if not cls.capabilities.tensor_parallel:
-                raise ValueError(f"vllm_sparse_method={cls.method_name!r} does not support "
-                                 f"tensor_parallel_size={n} yet; use tensor_parallel_size=1")
         check_kv_heads(model_cfg.num_key_value_heads, model_cfg.num_attention_heads, n)
         for name in ("vocab_size", "intermediate_size"):
             if getattr(model_cfg, name) % n:
