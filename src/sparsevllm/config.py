@@ -112,6 +112,11 @@ class EngineConfig(Knobs):
     # launched): vllm_sparse_method's (auto_method's) and mixed_methods'. Set by make_config.
     hosted: dict = field(default_factory=dict, repr=False)
 
+    @property
+    def compacts_under_pressure(self) -> bool:
+        """A decode step short of pages compacts a running request before it preempts one ("auto")."""
+        return self.vllm_sparse_method == "auto" and self.auto_compact_on_pressure
+
     def validate(self) -> None:
         self.method_config.validate(self)  # first: a method may dictate an engine knob (its page size)
         need = self.need

@@ -29,7 +29,6 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self.num_pressure_compactions = 0   # preemptions avoided by compacting a request ("auto")
-        self.compact_on_pressure = config.vllm_sparse_method == "auto" and config.auto_compact_on_pressure
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -117,7 +116,7 @@ class Scheduler:
         """"auto" under memory pressure: compact the running request whose compaction frees the most
         pages (cache_manager/pressure.py) instead of preempting one; False when no request can free
         any (then preemption, as before)."""
-        if not self.compact_on_pressure:
+        if not self.config.compacts_under_pressure:
             return False
         capacity = self.config.auto_compact_capacity
         victim = pressure.compact_victim(self.cm, self.running, capacity)
