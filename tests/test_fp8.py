@@ -41,10 +41,13 @@ def test_quantize_ref_round_trips_within_fp8_precision():
 
 @interp
 @pytest.mark.parametrize("P,G,dtype", [(16, 1, torch.float32), (16, 2, torch.float16), (1, 1, torch.float32),
-                                       (4, 4, torch.float32)])
-def test_decode_attention_fp8_triton_matches_reference(P, G, dtype, poison, monkeypatch):
-    """G = 1 (shared), H_kv (per KV head) and H_q (per query head) rows over an FP8 cache."""
+                                       (4, 4, torch.float32), (4, 4, torch.float16), (1, 1, torch.float16)])
+@pytest.mark.parametrize("f16", [False, True])
+def test_decode_attention_fp8_triton_matches_reference(P, G, dtype, f16, poison, monkeypatch):
+    """G = 1 (shared), H_kv (per KV head) and H_q (per query head) rows over an FP8 cache; a half q
+    through the fp16 path (FP8_F16: fp16 tiles, V's scales on p, 128-token blocks) and the bf16 one."""
     monkeypatch.setattr(da, "MIN_SPLIT_TOKENS", 16)
+    monkeypatch.setattr(da, "FP8_F16", f16)
     g = torch.Generator().manual_seed(P * 7 + G)
     B, Hq, Hkv, D = 3, 4, 2, 32
     N = {1: 70, 4: 20, 16: 5}[P]
@@ -60,16 +63,19 @@ def test_decode_attention_fp8_triton_matches_reference(P, G, dtype, poison, monk
 
 
 @interp
-def test_decode_attention_fp8_reports_token_scores_of_the_dequantized_keys(monkeypatch):
+@pytest.mark.parametrize("dtype,f16", [(torch.float32, True), (torch.float16, False), (torch.float16, True)])
+def test_decode_attention_fp8_reports_token_scores_of_the_dequantized_keys(dtype, f16, monkeypatch):
+    """fp32 q widens the tiles to fp32 either way; a half q takes the fp16 path under FP8_F16."""
     monkeypatch.setattr(da, "MIN_SPLIT_TOKENS", 16)
+    monkeypatch.setattr(da, "FP8_F16", f16)
     g = torch.Generator().manual_seed(5)
-    q, kc, vc, table, lengths = decode_case(g, 2, 4, 2, 32, 1, 1, 80, torch.float32, "cpu")
+    q, kc, vc, table, lengths = decode_case(g, 2, 4, 2, 32, 1, 1, 80, dtype, "cpu")
     (k8, ks), (v8, vs) = to_fp8(kc), to_fp8(vc)
     got = torch.full((2, 2, 80), -7.0)
     want = got.clone()
-    da.decode_attention_triton(q, k8, v8, table, lengths, 1, 0.2, got, ks, vs)
-    da.decode_attention_ref(q, k8, v8, table, lengths, 1, 0.2, want, ks, vs)
-    close(got, want, torch.float32)
+    out = da.decode_attention_triton(q, k8, v8, table, lengths, 1, 0.2, got, ks, vs)
+    close(out, da.decode_attention_ref(q, k8, v8, table, lengths, 1, 0.2, want, ks, vs), dtype)
+    close(got, want, dtype)
 
 
 @interp

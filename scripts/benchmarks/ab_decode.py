@@ -16,7 +16,9 @@ Cheaper than bench_sparse_vllm.py at long contexts, so that several methods fit 
 the B requests of a case share one prompt, which a warm-up request (max_tokens=1) prefills once, so
 they prefill only its last page (SnapKV: its window) and are admitted together. Methods without prefix
 caching (DeltaKV) prefill all B. Decode reads shared pages, so absolute tok/s may run above the
-benchmark's (L2 hits across requests); only the ratio between trees measured alike means anything."""
+benchmark's (L2 hits across requests); only the ratio between trees measured alike means anything.
+AB_DISTINCT=1 gives each request a prompt of its own (B full prefills; decode reads every request's KV
+from HBM): for comparing what reads fewer bytes, such as an FP8 cache against bf16."""
 import argparse
 import gc
 import json
@@ -38,6 +40,7 @@ from sparsevllm import LLM, SamplingParams  # noqa: E402
 from sparsevllm.method_registry import method_knob_owners  # noqa: E402
 
 OUTPUT = 256
+DISTINCT = os.environ.get("AB_DISTINCT") == "1"
 cfg = json.load(open(os.path.join(tree, "src/sparsevllm/presets", os.environ.get("PRESET", "llama-3.1-8b") + ".json")))
 mdir = tempfile.mkdtemp()
 json.dump(cfg, open(os.path.join(mdir, "config.json"), "w"))
@@ -57,11 +60,15 @@ for spec in args.cases:
     warm = make_prompts(cfg, batch, 256, seed=10_000)
     llm.generate(warm, SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=48), use_tqdm=False)
     prompt = make_prompts(cfg, 1, length, seed=0)[0]
-    t = time.perf_counter()
-    llm.generate([prompt], SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=1), use_tqdm=False)
-    fill = time.perf_counter() - t
+    batch_prompts, fill = [prompt] * batch, 0.0
+    if DISTINCT:   # B prompts of their own: decode reads B times the KV from HBM, as served traffic does
+        batch_prompts = make_prompts(cfg, batch, length, seed=0)
+    else:
+        t = time.perf_counter()
+        llm.generate([prompt], SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=1), use_tqdm=False)
+        fill = time.perf_counter() - t
     start = time.perf_counter()
-    outs = llm.generate([prompt] * batch, SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=OUTPUT),
+    outs = llm.generate(batch_prompts, SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=OUTPUT),
                         use_tqdm=False)
     ms = [o.metrics for o in outs]
     m = timing_metrics(start, [x["first_token_time"] for x in ms], [x["finish_time"] for x in ms],

@@ -49,6 +49,18 @@ SCORES_NUM_WARPS = 4
 SCORES_NUM_STAGES = 2
 MAX_SCORE_ITERS = 32    # blocks of staged token scores a program holds (32 x 64 fp32: 16 registers a thread at 4 warps)
 
+# An FP8 cache's tiles widen to fp16 (one native convert per pair of e4m3, exact), q goes in as fp16
+# (exact from bf16 within fp16's normal range, 6e-5 to 65504), and the values' scales weigh p's
+# [heads, block] columns instead of v's [block, D] rows. Widening to bf16 and scaling v in fp32 made FP8
+# decode slower than bf16: one layer at 128K x 4 on an H100, 783 -> 493 us (bf16 cache 697 us;
+# docs/performance.md, FP8 section).
+# Off by default until its CUDA-graph == eager test has passed on the GPU; SPARSEVLLM_FP8_F16=1 turns it
+# on. An fp32 q keeps its precision either way.
+FP8_F16 = os.environ.get("SPARSEVLLM_FP8_F16", "0") == "1"
+# Its blocks are twice as long (half the bytes each; a view's token scores keep BLOCK_N's registers).
+FP8_BLOCK_N = 128
+FP8_NUM_STAGES = 2
+
 LN2 = 0.6931471805599453   # log-sum-exps leave the kernels in log2 units
 
 
@@ -131,7 +143,8 @@ def _decode_split_kernel(
         QG: tl.constexpr, KV_DIV: tl.constexpr, P: tl.constexpr, HEAD_DIM: tl.constexpr,
         BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
         UPCAST: tl.constexpr, DOT_PREC: tl.constexpr, DIRECT: tl.constexpr, TOKEN_SCORES: tl.constexpr,
-        SCORE_ITERS: tl.constexpr, SCALED: tl.constexpr = False, PDL: tl.constexpr = False):
+        SCORE_ITERS: tl.constexpr, SCALED: tl.constexpr = False, F16: tl.constexpr = False,
+        PDL: tl.constexpr = False):
     if PDL:   # everything read here (q, the cache, the view) comes from the kernels before
         gdc_wait()
     b = tl.program_id(0)
@@ -167,6 +180,8 @@ def _decode_split_kernel(
                 mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
     if UPCAST:
         q = q.to(tl.float32)
+    if F16:   # unscaled, so exact (a version that rounded q * qk_scale to fp16 failed graph == eager on the GPU)
+        q = q.to(tl.float16)
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
@@ -186,10 +201,14 @@ def _decode_split_kernel(
                     mask=kv_mask, other=0.0)
         v = tl.load(v_ptr + slot[:, None] * stride_vs + kvh * stride_vh + dims[None, :],
                     mask=kv_mask, other=0.0)
-        k = k.to(q.dtype)   # widened in registers (UPCAST: fp32; an FP8 cache: q's dtype)
-        if SCALED:   # FP8: a key's scale multiplies its logit column, a value's scale its row
+        k = k.to(q.dtype)   # widened in registers (UPCAST: fp32; an FP8 cache: q's dtype, fp16 under F16)
+        if SCALED:   # FP8: a key's scale multiplies its logit column, a value's scale its row (or p's column)
             s_off = slot * stride_ss + kvh * stride_sh
-            v = (v.to(tl.float32) * tl.load(vs_ptr + s_off, mask=tok_ok, other=0.0)[:, None]).to(q.dtype)
+            v_s = tl.load(vs_ptr + s_off, mask=tok_ok, other=0.0)
+            if F16:
+                v = v.to(q.dtype)
+            else:
+                v = (v.to(tl.float32) * v_s[:, None]).to(q.dtype)
         else:
             v = v.to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale   # log2 domain
@@ -204,7 +223,13 @@ def _decode_split_kernel(
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+        if F16:   # the values' scales weigh p's columns, over the block's largest so p stays within [0, 1]
+            v_max = tl.max(v_s, 0)
+            v_max = tl.where(v_max > 0, v_max, 1.0)
+            pv = tl.dot((p * (v_s / v_max)[None, :]).to(v.dtype), v, input_precision=DOT_PREC) * v_max
+        else:
+            pv = tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+        acc = acc * alpha[:, None] + pv
         m_i = m_new
     if PDL:   # past the loop: the next kernel may launch (it waits for this one's stores in gdc_wait)
         gdc_launch_dependents()
@@ -275,11 +300,14 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     rows = Hq if per_query_head else Hkv       # programs per request and split
     QG = 1 if per_query_head else Hq // Hkv    # query heads per program
     S = num_splits(B, rows, N, P, q.device)
+    f16 = k_scale is not None and FP8_F16 and q.dtype != torch.float32
+    block_n, stages = (FP8_BLOCK_N, FP8_NUM_STAGES) if f16 and token_scores is None else (BLOCK_N, NUM_STAGES)
     score_iters = 1
     if token_scores is not None:   # enough splits that a split's blocks fit the staged scores
         S = max(S, -(-(N * P) // (MAX_SCORE_ITERS * BLOCK_N)))
         split_tokens = -(-(N * P) // S)                       # the kernel's per_split, before rounding
         score_iters = pow2(-(-split_tokens // BLOCK_N))
+        stages = SCORES_NUM_STAGES
     out = torch.empty_like(q)
     direct = S == 1 and lse_out is None   # the log-sum-exp is the splits' (mid_lse), merged below
     mid_o = torch.empty(B, Hq, 1 if direct else S, D, dtype=torch.float32, device=q.device)
@@ -308,11 +336,10 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         out.stride(0), out.stride(1), *(token_scores.stride()[:2] if token_scores is not None else (0, 0)),
         S, QG=QG, KV_DIV=Hq // Hkv if per_query_head else 1, P=P, HEAD_DIM=D, BLOCK_D=BLOCK_D,
-        BLOCK_H=max(16, pow2(QG)), BLOCK_N=BLOCK_N,
+        BLOCK_H=max(16, pow2(QG)), BLOCK_N=block_n,
         UPCAST=upcast, DOT_PREC=dot_precision(q.dtype), DIRECT=direct, TOKEN_SCORES=token_scores is not None,
-        SCORE_ITERS=score_iters, SCALED=scaled, PDL=on,
-        num_warps=SCORES_NUM_WARPS if token_scores is not None else NUM_WARPS,
-        num_stages=SCORES_NUM_STAGES if token_scores is not None else NUM_STAGES, **launch)
+        SCORE_ITERS=score_iters, SCALED=scaled, F16=f16, PDL=on,
+        num_warps=SCORES_NUM_WARPS if token_scores is not None else NUM_WARPS, num_stages=stages, **launch)
     if direct:
         return out
     _decode_merge_kernel[(B, Hq)](
