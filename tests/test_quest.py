@@ -148,6 +148,40 @@ def test_quest_equals_vanilla_when_budget_covers_context(tiny_model, graph_like)
     assert llm.engine.cache_manager.allocator.is_idle()
 
 
+def test_decode_steps_within_every_budget_take_the_dense_graph_variant(tiny_model, monkeypatch):
+    """A decode step whose rows are all within their budgets (a short request, a vanilla row) runs
+    graph_variant "dense" (no scoring: the captured graph without it); once a row passes its budget,
+    the general one. Graph-shaped tables, so the general path would score: the tokens equal those
+    of the general path run for every step."""
+    from sparsevllm import SparseParams
+    from sparsevllm.engine.cache_manager import quest as quest_cm
+    path = tiny_model("llama")
+    ps = prompts([9, 14, 30], seed=3)
+    sparse = [None, None, SparseParams(method="vanilla")]
+    knobs = dict(page_size=4, quest_token_budget=24, quest_skip_layers=1)
+    sp = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    variants, general = [], quest_cm.QuestCacheManager.graph_variant
+
+    def record(self, step):
+        variants.append(general(self, step))
+        return variants[-1]
+    monkeypatch.setattr(quest_cm.QuestCacheManager, "graph_variant", record)
+    scored = []
+    for name in ("bound_scores", "store_and_score"):
+        fn = getattr(quest_cm, name)
+        monkeypatch.setattr(quest_cm, name, lambda *a, fn=fn, **k: scored.append(1) or fn(*a, **k))
+    llm = graph_shaped(quest(path, **knobs))
+    got = token_ids(llm.generate(ps, sp, sparse_params=sparse, use_tqdm=False))
+    # 6 pages of budget: rows of 10 and 15 tokens start within it, the 14-token prompt passes it at 25
+    assert variants[0] == "dense" and variants[-1] == "" and set(variants) == {"", "dense"}
+    cm = llm.engine.cache_manager
+    assert len(scored) == variants.count("") * (cm.num_layers - cm.skip_layers)   # the dense steps score nothing
+    assert llm.engine.cache_manager.allocator.is_idle()
+    monkeypatch.setattr(quest_cm.QuestCacheManager, "graph_variant", lambda self, step: "")
+    want = token_ids(graph_shaped(quest(path, **knobs)).generate(ps, sp, sparse_params=sparse, use_tqdm=False))
+    assert got == want
+
+
 @pytest.mark.parametrize("arch,selection", [("llama", "kv_head"), ("qwen3", "shared"), ("qwen2", "query_head")])
 def test_quest_selection_equals_oracle_and_is_causal(tiny_model, arch, selection):
     path = tiny_model(arch)
@@ -532,9 +566,11 @@ def test_gpu_quest_graph_replay_equals_eager(tiny_model, selection):
     graph = LLM(path, **knobs)
     assert graph.execution_mode == "cuda_graph"
     sp = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    for n in (1, 3, 8):
-        ps = prompts([40 + 23 * i for i in range(n)], seed=n)
+    cases = [prompts([40 + 23 * i for i in range(n)], seed=n) for n in (1, 3, 8)]
+    cases.append(prompts([6, 11, 3], seed=9))   # within the budget at first: the "dense" graph, then the general one
+    for ps in cases:
         assert token_ids(eager.generate(ps, sp, use_tqdm=False)) == token_ids(graph.generate(ps, sp, use_tqdm=False))
+    assert set(graph.engine.model_runner.graphs.graphs) >= {(4, "dense"), (4, "")}
     assert graph.engine.cache_manager.allocator.is_idle()
 
 

@@ -254,6 +254,8 @@ class ModelRunner:
             if is_prefill or rows:
                 step.recall = RecallSample(rows, B, self.model_config.num_hidden_layers, self.device)
         cm.on_step_begin(step)
+        if not is_prefill:
+            step.graph_variant = cm.graph_variant(step)
         return step
 
     @torch.inference_mode()
@@ -310,32 +312,35 @@ class DecodeGraphs:
             cu_seqlens_q=torch.arange(bs + 1, dtype=torch.int32, device=dev),
             logits_indices=torch.arange(bs, dtype=torch.int64, device=dev),
             extras=cm.graph_extras(bs))
-        self.graphs, self.outputs = {}, {}
+        self.graphs, self.outputs = {}, {}   # keyed (bucket, variant)
         self.pool = None
+        variants = cm.graph_variants()
         for b in reversed(self.buckets):  # largest first, so smaller graphs reuse its memory pool
-            self._capture(b)
-        logger.info("captured decode CUDA graphs for batch sizes %s", self.buckets)
+            for variant in variants:
+                self._capture(b, variant)
+        logger.info("captured decode CUDA graphs for batch sizes %s%s", self.buckets,
+                    f", variants {variants}" if len(variants) > 1 else "")
 
-    def _view(self, b: int) -> StepState:
+    def _view(self, b: int, variant: str) -> StepState:
         s = self.static
         return StepState(is_prefill=False, seqs=[None] * b, num_tokens=[1] * b, sampled=list(range(b)),
                          input_ids=s.input_ids[:b], positions=s.positions[:b], slot_mapping=s.slot_mapping[:b],
                          block_tables=s.block_tables[:b], cache_lens=s.cache_lens[:b],
                          cu_seqlens_q=s.cu_seqlens_q[:b + 1], logits_indices=s.logits_indices[:b],
-                         extras={k: v[:b] for k, v in s.extras.items()})
+                         extras={k: v[:b] for k, v in s.extras.items()}, graph_variant=variant)
 
     @torch.inference_mode()
-    def _capture(self, b: int) -> None:
-        step = self._view(b)
+    def _capture(self, b: int, variant: str) -> None:
+        step = self._view(b, variant)
         self.runner.eager_forward(step)  # warm-up: compiles kernels outside the capture
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
-        step = self._view(b)   # a fresh step: what the warm-up's hooks left in step.scratch is not captured
+        step = self._view(b, variant)   # a fresh step: what the warm-up's hooks left in step.scratch is not captured
         with torch.cuda.graph(graph, pool=self.pool):
             hidden = self.runner.model(step)
-            self.outputs[b] = self.runner.model.compute_logits(hidden[step.logits_indices], gather=False)
+            self.outputs[b, variant] = self.runner.model.compute_logits(hidden[step.logits_indices], gather=False)
         self.pool = self.pool or graph.pool()
-        self.graphs[b] = graph
+        self.graphs[b, variant] = graph
 
     def replay(self, step: StepState) -> torch.Tensor:
         n = step.batch_size
@@ -351,5 +356,6 @@ class DecodeGraphs:
         s.cache_lens[n:b].fill_(1)
         for k, v in step.extras.items():
             s.extras[k][:n].copy_(v)
-        self.graphs[b].replay()
-        return self.runner.model.gather_logits(self.outputs[b][:n])
+        key = (b, step.graph_variant)
+        self.graphs[key].replay()
+        return self.runner.model.gather_logits(self.outputs[key][:n])

@@ -93,6 +93,9 @@ class StepState:
     # same step (a filter layer's token scores to the layers after it, a compaction's kept tokens
     # to on_step_end). Under CUDA graphs it is filled once, while the graph is captured.
     scratch: dict[str, object] = field(default_factory=dict)
+    # Which captured decode graph replays this step (CacheManager.graph_variants): set by the runner
+    # from `graph_variant(step)` after `on_step_begin`; "" = the general one.
+    graph_variant: str = ""
     # Attention-recall measurements (engine/recall.py): set by the runner when recall_sample_every
     # marks rows of a decode step (which then runs eagerly) and on every prefill step; None otherwise.
     recall: "RecallSample | None" = None

@@ -241,6 +241,17 @@ class CacheManager:
         """Static buffers for the method's StepState.extras (first dim = batch), used by CUDA graphs."""
         return {}
 
+    def graph_variants(self) -> tuple[str, ...]:
+        """Names of the decode graphs captured per batch bucket ("" = the general one, always first): a
+        method whose decode can skip work on a host fact of the step (every row within its budget)
+        captures that path too, since a captured graph holds no host branch."""
+        return ("",)
+
+    def graph_variant(self, step: StepState) -> str:
+        """After `on_step_begin` of a decode step: which of `graph_variants` this step runs (eagerly too:
+        hooks read `step.graph_variant`). It must compute what the general one would."""
+        return ""
+
     # ---- per layer (Attention-facing) ---------------------------------------------------------
     def store_kv(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  cos_sin_cache: torch.Tensor, step: StepState) -> tuple[torch.Tensor, torch.Tensor]:

@@ -157,17 +157,27 @@ class QuestCacheManager(CacheManager):
         budgets = [self.budget_pages_of(seq) for seq in step.seqs]
         step.extras["quest_budget_pages"] = to_device(np.array(budgets, dtype=np.int32), self.device, torch.int32)
         step.scratch["quest.min_budget_pages"] = min(budgets)
+        # Every row within its budget (short contexts, dense rows): the selection would keep every page.
+        step.scratch["quest.dense"] = all(self.pages_for(seq.cache_len + 1) <= n for seq, n in zip(step.seqs, budgets))
+
+    def graph_variants(self) -> tuple[str, ...]:
+        # "dense": the decode graph without the page scoring and selection, for steps whose rows are all
+        # within their budgets ("auto"'s short requests, a short batch): the general graph always scores.
+        return ("", "dense")
+
+    def graph_variant(self, step: StepState) -> str:
+        return "dense" if step.scratch.get("quest.dense") else ""
 
     def graph_extras(self, max_batch_size: int) -> dict[str, torch.Tensor]:
         # Padding rows (length 1) are within any budget.
         return {"quest_budget_pages": torch.full((max_batch_size,), 3, dtype=torch.int32, device=self.device)}
 
     def _scores(self, layer_id: int, step: StepState) -> bool:
-        """Whether this decode layer scores pages: a sparse layer whose table is wider than the
-        smallest budget of the step's rows (else every row is within its budget: dense). Under CUDA
-        graphs the table is max_model_len / P wide and the captured step has no budgets on the host:
-        it always scores (a static-shape test)."""
-        return (not step.is_prefill and layer_id >= self.skip_layers
+        """Whether this decode layer scores pages: a sparse layer of a step whose rows are not all within
+        their budgets (graph_variant "dense") and whose table is wider than the smallest budget. Under
+        CUDA graphs the table is max_model_len / P wide and the captured step has no budgets on the
+        host: the general graph always scores, the "dense" one never (static-shape tests)."""
+        return (not step.is_prefill and layer_id >= self.skip_layers and step.graph_variant != "dense"
                 and step.block_tables.shape[1] > step.scratch.get("quest.min_budget_pages", 3))
 
     def store_kv(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
