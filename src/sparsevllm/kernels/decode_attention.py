@@ -54,9 +54,10 @@ MAX_SCORE_ITERS = 32    # blocks of staged token scores a program holds (32 x 64
 # [heads, block] columns instead of v's [block, D] rows. Widening to bf16 and scaling v in fp32 made FP8
 # decode slower than bf16: one layer at 128K x 4 on an H100, 783 -> 493 us (bf16 cache 697 us;
 # docs/performance.md, FP8 section).
-# Off by default until its CUDA-graph == eager test has passed on the GPU; SPARSEVLLM_FP8_F16=1 turns it
-# on. An fp32 q keeps its precision either way.
-FP8_F16 = os.environ.get("SPARSEVLLM_FP8_F16", "0") == "1"
+# On by default since the GPU tests passed with it (H100, 2026-12-07: graph == eager, overlap == sync, the
+# kernels against their references); SPARSEVLLM_FP8_F16=0 gives the bf16-tile path (A/B). An fp32 q keeps
+# its precision either way.
+FP8_F16 = os.environ.get("SPARSEVLLM_FP8_F16", "1") == "1"
 # Its blocks are twice as long (half the bytes each; a view's token scores keep BLOCK_N's registers).
 FP8_BLOCK_N = 128
 FP8_NUM_STAGES = 2
