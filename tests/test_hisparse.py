@@ -289,14 +289,14 @@ def test_engine_with_the_triton_kernels_equals_the_references(tiny_model, monkey
     """Prefill and decode with every Triton kernel HiSparse calls (interpreted on the CPU; host
     memory is CPU memory there) give the tokens the torch references give: the GPU wiring, short
     of graphs and pinned memory."""
-    from sparsevllm.kernels import page_select as psel
+    from sparsevllm.kernels import page_bounds as pb, page_select as psel
     path = tiny_model("llama", max_position_embeddings=2048)
     ps = prompts([200, 90], seed=17)
     sp = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
     want = token_ids(hisparse(path).generate(ps, sp, use_tqdm=False))
     for name, fn in [("swap_plan", hk.swap_plan_triton), ("copy_pages", hk.copy_pages_triton),
-                     ("host_store", hk.host_store_triton), ("page_bounds", psel.page_bounds_triton),
-                     ("bound_scores", psel.bound_scores_triton), ("select_pages", psel.select_pages_triton)]:
+                     ("host_store", hk.host_store_triton), ("page_bounds", pb.page_bounds_triton),
+                     ("bound_scores", pb.bound_scores_triton), ("select_pages", psel.select_pages_triton)]:
         monkeypatch.setattr(hs, name, fn)
     llm = hisparse(path)
     assert token_ids(llm.generate(ps, sp, use_tqdm=False)) == want

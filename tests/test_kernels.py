@@ -385,7 +385,7 @@ def test_kernel_modules_import_and_dispatch_without_triton():
         "import sys; sys.modules['triton'] = None\n"
         "import torch\n"
         "from sparsevllm.kernels import decode_attention, page_select, prefill_attention, rmsnorm, rope_store, silu_mul\n"
-        "from sparsevllm.kernels import skinny_gemm, token_select\n"
+        "from sparsevllm.kernels import page_bounds, skinny_gemm, token_select\n"
         "x = torch.randn(2, 8)\n"
         "assert torch.equal(skinny_gemm.linear(x, torch.ones(4, 8)), x @ torch.ones(4, 8).T)\n"
         "assert torch.equal(silu_mul.silu_and_mul(x), silu_mul.silu_and_mul_ref(x))\n"

@@ -22,7 +22,7 @@ from sparsevllm import LLM, SamplingParams, SparseParams  # noqa: E402
 from sparsevllm.engine.sequence import Sequence  # noqa: E402
 from sparsevllm.kernels import decode_attention as da  # noqa: E402
 from sparsevllm.kernels import omnikv as okv  # noqa: E402
-from sparsevllm.kernels import page_select as psel  # noqa: E402
+from sparsevllm.kernels import page_bounds as pb, page_select as psel  # noqa: E402
 from sparsevllm.kernels import token_select as tsel  # noqa: E402
 from sparsevllm.method_registry import make_config, request_sparsity  # noqa: E402
 
@@ -224,12 +224,12 @@ def test_selection_kernels_give_rows_of_other_methods_length_0():
     full = torch.tensor([45, 30, 47, 20], dtype=torch.int32)
     masked = torch.tensor([45, 0, 47, 0], dtype=torch.int32)   # rows 1 and 3 are another method's
     budgets = torch.tensor([3, psel.DENSE_PAGES, 4, psel.DENSE_PAGES], dtype=torch.int32)
-    for fn in (psel.bound_scores_ref, psel.bound_scores_triton):
+    for fn in (pb.bound_scores_ref, pb.bound_scores_triton):
         scores = fn(q, kmin, kmax, bt, masked, P, "kv_head", budgets)
         for select in (psel.select_pages_ref, psel.select_pages_triton):
             table, lengths = select(scores, bt, masked, P, budgets)
             assert lengths[[1, 3]].eq(0).all()
-            want_t, want_l = psel.select_pages_ref(psel.bound_scores_ref(q, kmin, kmax, bt, full, P, "kv_head", budgets),
+            want_t, want_l = psel.select_pages_ref(pb.bound_scores_ref(q, kmin, kmax, bt, full, P, "kv_head", budgets),
                                                    bt, full, P, budgets)
             assert torch.equal(lengths[[0, 2]], want_l[[0, 2]])
             for b in (0, 2):

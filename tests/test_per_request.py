@@ -22,7 +22,7 @@ from method_knobs import METHOD_KNOBS  # noqa: E402
 from per_request_helpers import BASE, GREEDY, OTHER, alone, run_noting_preemptions  # noqa: E402
 from sparsevllm import LLM, SamplingParams, SparseParams  # noqa: E402
 from sparsevllm.engine.sequence import Sequence  # noqa: E402
-from sparsevllm.kernels import page_select as psel  # noqa: E402
+from sparsevllm.kernels import page_bounds as pb, page_select as psel  # noqa: E402
 from sparsevllm.method_registry import make_config, methods, request_sparsity  # noqa: E402
 
 # Per method: the engine's knobs (OTHER: a second budget a request asks for).
@@ -247,11 +247,11 @@ def test_rows_within_their_budget_are_not_scored(selection):
     bt = torch.randperm(64, generator=g)[:B * N].view(B, N).int()
     ctx = torch.tensor([45, 45, 13, 30], dtype=torch.int32)
     budgets = torch.tensor([3, psel.DENSE_PAGES, 3, 8], dtype=torch.int32)   # rows 1 and 3 are within theirs
-    want = psel.bound_scores_ref(q, kmin, kmax, bt, ctx, P, selection, budgets)
-    plain = psel.bound_scores_ref(q, kmin, kmax, bt, ctx, P, selection)
+    want = pb.bound_scores_ref(q, kmin, kmax, bt, ctx, P, selection, budgets)
+    plain = pb.bound_scores_ref(q, kmin, kmax, bt, ctx, P, selection)
     assert torch.isinf(want[[1, 3]]).all() and torch.equal(want[[0, 2]], plain[[0, 2]])
     dev = "cuda" if CUDA else "cpu"
-    got = psel.bound_scores_triton(*(x.to(dev) for x in (q, kmin, kmax, bt, ctx)), P, selection, budgets.to(dev))
+    got = pb.bound_scores_triton(*(x.to(dev) for x in (q, kmin, kmax, bt, ctx)), P, selection, budgets.to(dev))
     torch.testing.assert_close(got.cpu(), want, rtol=1e-5, atol=1e-5)
 
 

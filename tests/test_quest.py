@@ -20,7 +20,7 @@ import pytest  # noqa: E402
 from helpers import CUDA, gpu, prompts, token_ids  # noqa: E402
 from sparsevllm import LLM, SamplingParams  # noqa: E402
 from sparsevllm.method_registry import make_config  # noqa: E402
-from sparsevllm.kernels import page_select as psel, quest as qk  # noqa: E402
+from sparsevllm.kernels import page_bounds as pb, page_select as psel, quest as qk  # noqa: E402
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
@@ -371,8 +371,8 @@ def test_page_bounds_triton_matches_reference(P, dtype):
     g = torch.Generator().manual_seed(P)
     args = bounds_case(g, 12, P, 3, 24, dtype, "cpu")
     ref = [a.clone() for a in args]
-    psel.page_bounds_triton(*args, P)
-    psel.page_bounds_ref(*ref, P)
+    pb.page_bounds_triton(*args, P)
+    pb.page_bounds_ref(*ref, P)
     assert torch.equal(args[2], ref[2]) and torch.equal(args[3], ref[3])
 
 
@@ -383,7 +383,7 @@ def test_page_bounds_triton_matches_reference(P, dtype):
 def test_bound_scores_triton_matches_reference(P, selection, dtype, head_major):
     g = torch.Generator().manual_seed(P + len(selection))
     args = scores_case(g, 3, 6, 2, 24, P, {1: 70, 4: 40, 16: 9}[P], dtype, "cpu", head_major)   # 70 pages: 3 blocks
-    got, want = psel.bound_scores_triton(*args, P, selection), psel.bound_scores_ref(*args, P, selection)
+    got, want = pb.bound_scores_triton(*args, P, selection), pb.bound_scores_ref(*args, P, selection)
     assert torch.equal(got.isinf(), want.isinf())
     torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-4)
 
@@ -421,11 +421,11 @@ def unfused(q, k, v, pos, cos_sin, kc, vc, slots, kmin, kmax, bt, ctx, P, select
     q_rot, k_rot = rope_store_triton(q, k, v, pos, cos_sin, kc, vc, slots, kmin, kmax, P)
     q_out.copy_(q_rot)
     k_out.copy_(k_rot)
-    return psel.bound_scores_triton(q_out, kmin, kmax, bt, ctx, P, selection)
+    return pb.bound_scores_triton(q_out, kmin, kmax, bt, ctx, P, selection)
 
 
 @interp
-@pytest.mark.parametrize("selection", psel.SELECTIONS)
+@pytest.mark.parametrize("selection", pb.SELECTIONS)
 @pytest.mark.parametrize("P,dtype", [(16, torch.float32), (4, torch.float16), (1, torch.float32)])
 def test_store_and_score_triton_equals_rope_store_then_scores(selection, P, dtype):
     """The decode store inside the scoring launch writes what rope_store writes (q and k after RoPE,
@@ -502,20 +502,20 @@ def test_select_pages_triton_stops_early_only_when_exact(kind, packed, monkeypat
 # ---------------------------------------------------------------- GPU
 
 @gpu
-@pytest.mark.parametrize("selection", psel.SELECTIONS)
+@pytest.mark.parametrize("selection", pb.SELECTIONS)
 def test_gpu_quest_kernels_match_references_bf16(selection):
     g = torch.Generator().manual_seed(21 + len(selection))
     bf = torch.bfloat16
     for B, N in [(1, 4096), (5, 300), (33, 64)]:
         args = scores_case(g, B, 32, 8, 128, 16, N, bf, "cuda", head_major=B != 5)
-        got, want = psel.bound_scores(*args, 16, selection), psel.bound_scores_ref(*args, 16, selection)
+        got, want = pb.bound_scores(*args, 16, selection), pb.bound_scores_ref(*args, 16, selection)
         assert torch.equal(got.isinf(), want.isinf())
         torch.testing.assert_close(got, want, atol=1e-2, rtol=1e-3)
     for P in (1, 16, 64):
         args = bounds_case(g, 50, P, 8, 128, bf, "cuda")
         ref = [a.clone() for a in args]
-        psel.page_bounds(*args, P)
-        psel.page_bounds_ref(*ref, P)
+        pb.page_bounds(*args, P)
+        pb.page_bounds_ref(*ref, P)
         assert torch.equal(args[2], ref[2]) and torch.equal(args[3], ref[3])
     # 128K tokens of 16-token pages, budget 2048: the benchmark's shape.
     for B, G, N, n in [(4, 8, 8016, 128), (3, 1, 8016, 128), (7, 8, 300, 3)]:
@@ -525,7 +525,7 @@ def test_gpu_quest_kernels_match_references_bf16(selection):
 
 
 @gpu
-@pytest.mark.parametrize("selection", psel.SELECTIONS)
+@pytest.mark.parametrize("selection", pb.SELECTIONS)
 def test_gpu_store_inside_the_scoring_launch_equals_rope_store_then_scores_bf16(selection):
     """At Llama-3.1-8B head shapes (the benchmark's 8,016-page tables among them) the store inside
     the scoring launch writes rope_store's bits (same two fmas) and gives bound_scores' scores."""
@@ -557,7 +557,7 @@ def test_gpu_quest_fused_store_gives_the_separate_stores_tokens_under_graphs(tin
 
 
 @gpu
-@pytest.mark.parametrize("selection", psel.SELECTIONS)
+@pytest.mark.parametrize("selection", pb.SELECTIONS)
 def test_gpu_quest_graph_replay_equals_eager(tiny_model, selection):
     path = tiny_model("llama")
     knobs = dict(vllm_sparse_method="quest", device="cuda", dtype="float32", max_num_seqs=8, page_size=4,

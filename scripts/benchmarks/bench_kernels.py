@@ -33,7 +33,7 @@ import triton  # noqa: E402
 from sparsevllm.kernels import decode_attention as da  # noqa: E402
 from sparsevllm.kernels import prefill_attention as pa, rmsnorm, rope_store as rs, silu_mul  # noqa: E402
 from sparsevllm.kernels import deltakv as kd  # noqa: E402
-from sparsevllm.kernels import page_select as psel, quest as qk  # noqa: E402
+from sparsevllm.kernels import page_bounds as pb, page_select as psel, quest as qk  # noqa: E402
 from sparsevllm.kernels import skinny_gemm as sk  # noqa: E402
 
 HQ, HKV, D = 32, 8, 128
@@ -340,7 +340,7 @@ def bench_quest_store(results, gen, B, N, layers, shapes, dtype):
         for i in range(layers):
             q, k, v = qkv(i)
             q_rot, _ = rs.rope_store_triton(q, k, v, pos, cos_sin, k_cache, v_cache, slots, kmin[i], kmax[i], P)
-            scores = psel.bound_scores_triton(q_rot, kmin[i], kmax[i], bt, ctx, P, "kv_head")
+            scores = pb.bound_scores_triton(q_rot, kmin[i], kmax[i], bt, ctx, P, "kv_head")
             psel.select_pages_triton(scores, bt, ctx, P, n)
 
     def one():
@@ -350,17 +350,17 @@ def bench_quest_store(results, gen, B, N, layers, shapes, dtype):
                                                ctx, P, "kv_head", torch.empty_like(q), torch.empty_like(k))
             psel.select_pages_triton(scores, bt, ctx, P, n)
 
-    keep = psel.BLOCK_PAGES, psel.SCORE_WARPS
+    keep = pb.BLOCK_PAGES, pb.SCORE_WARPS
     try:
-        for psel.BLOCK_PAGES, psel.SCORE_WARPS in shapes:
-            row = {"requests": B, "pages": N, "layers": layers, "block_pages": psel.BLOCK_PAGES,
-                   "warps": psel.SCORE_WARPS,
+        for pb.BLOCK_PAGES, pb.SCORE_WARPS in shapes:
+            row = {"requests": B, "pages": N, "layers": layers, "block_pages": pb.BLOCK_PAGES,
+                   "warps": pb.SCORE_WARPS,
                    "two_launches_us": round(bench_graph_ms(two) / layers * 1e3, 2),
                    "one_launch_us": round(bench_graph_ms(one) / layers * 1e3, 2)}
             results.append(row)
             print("quest_store", row, flush=True)
     finally:
-        psel.BLOCK_PAGES, psel.SCORE_WARPS = keep
+        pb.BLOCK_PAGES, pb.SCORE_WARPS = keep
 
 
 def gather_sdpa(q, k_cache, v_cache, block_tables, context_len, page_size, scale):

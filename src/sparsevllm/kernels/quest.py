@@ -1,16 +1,16 @@
 """Quest's own kernel: a decode step's store and page scores in one launch.
 
 store_and_score: a decode step's rope_store (RoPE, the cache write, the page bounds) done by the
-page-scoring kernel's programs (kernels/page_select.py: the first block's program of each request
+page-scoring kernel's programs (kernels/page_bounds.py: the first block's program of each request
 and KV head writes; every program rotates the query heads it scores with), one launch a layer less.
 Nothing in the launch reads what it writes: a decode token lands in its request's current page,
-never a candidate. The page bounds, their scores and the selection are kernels/page_select.py's,
-shared with HiSparse.
+never a candidate. The page bounds and their scores are kernels/page_bounds.py's, the selection
+kernels/page_select.py's, shared with HiSparse.
 """
 import torch
 
 from sparsevllm.kernels.common import use_triton
-from sparsevllm.kernels.page_select import bound_scores_ref, launch_bound_scores
+from sparsevllm.kernels.page_bounds import bound_scores_ref, launch_bound_scores
 from sparsevllm.kernels.rope_store import rope_store_ref
 
 

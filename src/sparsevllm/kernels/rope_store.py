@@ -6,7 +6,7 @@ the token's cos/sin row once and does all of it: a separate RoPE launch and stor
 cost more than their arithmetic on the decode path.
 
 Optionally (kmin/kmax given) the write also keeps the per-page key bounds that page scoring reads
-(kernels/page_select.py): the page of the slot gets the channel-wise min/max of its keys, reset by
+(kernels/page_bounds.py): the page of the slot gets the channel-wise min/max of its keys, reset by
 the page's first slot. This is exact only when no two tokens of the step write the same page, which
 holds in decode (one token per request, requests never share a page they write); prefill chunks
 recompute their pages instead.
@@ -65,7 +65,7 @@ def _rotate_halves(x_ptr, t, stride_t, stride_h, cos, sin,
     x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
     # Explicit fmas, the product with sin rounded and the one with cos fused: the page-scoring kernel's
-    # fused store (kernels/page_select.py) rotates with the same two, so its stored q and k equal
+    # fused store (kernels/page_bounds.py) rotates with the same two, so its stored q and k equal
     # these bit for bit.
     return tl.fma(x1, cos, -(x2 * sin)), tl.fma(x2, cos, x1 * sin), heads, cols, mask
 

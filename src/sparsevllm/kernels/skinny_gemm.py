@@ -34,7 +34,7 @@ stay). The rounding differs from the three launches (norm_weight * r is rounded 
 
 The qkv projection of a decode step can go through linear_rope_store: the epilogue rotates q and k
 (RoPE, rope_store's arithmetic) and writes k and v to their cache slots, and optionally folds each
-key into its page's min / max (the page bounds of kernels/page_select.py), so a layer has no
+key into its page's min / max (the page bounds of kernels/page_bounds.py), so a layer has no
 rope_store launch of its own; the cache manager says where (CacheManager.store_target). With the
 attention's PDL launches it measured +0.7% (QuEST) and +1.3% (SnapKV) decode tok/s at 32K x 4 on an
 H100 (docs/performance.md, 2026-12-05).

@@ -46,7 +46,8 @@ from sparsevllm.engine.sequence import Sequence
 from sparsevllm.engine.staging import to_device
 from sparsevllm.engine.step import DecodeView, StepState
 from sparsevllm.kernels.hisparse import copy_pages, host_store, swap_plan
-from sparsevllm.kernels.page_select import bound_scores, page_bounds, select_pages
+from sparsevllm.kernels.page_bounds import bound_scores, page_bounds
+from sparsevllm.kernels.page_select import select_pages
 from sparsevllm.models.config import ModelConfig
 
 

@@ -51,7 +51,8 @@ from sparsevllm.distributed import combine_shared_scores
 from sparsevllm.engine.cache_manager.base import CacheManager, Capabilities
 from sparsevllm.engine.staging import to_device
 from sparsevllm.engine.step import DecodeView, StepState, StoreTarget
-from sparsevllm.kernels.page_select import DENSE_PAGES, SELECTIONS, bound_scores, page_bounds, select_pages
+from sparsevllm.kernels.page_bounds import SELECTIONS, bound_scores, page_bounds
+from sparsevllm.kernels.page_select import DENSE_PAGES, select_pages
 from sparsevllm.kernels.quest import store_and_score
 from sparsevllm.kernels.rope_store import rope_store
 from sparsevllm.models.config import ModelConfig
