@@ -157,7 +157,6 @@ class QuestCacheManager(CacheManager):
         # Each row's own page budget: requests of different budgets (and dense ones) in one selection.
         budgets = [self.budget_pages_of(seq) for seq in step.seqs]
         step.extras["quest_budget_pages"] = to_device(np.array(budgets, dtype=np.int32), self.device, torch.int32)
-        step.scratch["quest.min_budget_pages"] = min(budgets)
         # Every row within its budget (short contexts, dense rows): the selection would keep every page.
         step.scratch["quest.dense"] = all(self.pages_for(seq.cache_len + 1) <= n for seq, n in zip(step.seqs, budgets))
 
@@ -175,11 +174,11 @@ class QuestCacheManager(CacheManager):
 
     def _scores(self, layer_id: int, step: StepState) -> bool:
         """Whether this decode layer scores pages: a sparse layer of a step whose rows are not all within
-        their budgets (graph_variant "dense") and whose table is wider than the smallest budget. Under
-        CUDA graphs the table is max_model_len / P wide and the captured step has no budgets on the
-        host: the general graph always scores, the "dense" one never (static-shape tests)."""
+        their budgets. Eagerly the step's host fact says so (`quest.dense`; also where a mixed engine
+        hosts QuEST and runs no variant); a captured step has none: the general graph always scores,
+        the "dense" one never."""
         return (not step.is_prefill and layer_id >= self.skip_layers and step.graph_variant != "dense"
-                and step.block_tables.shape[1] > step.scratch.get("quest.min_budget_pages", 3))
+                and not step.scratch.get("quest.dense", False))
 
     def store_kv(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  cos_sin_cache: torch.Tensor, step: StepState) -> tuple[torch.Tensor, torch.Tensor]:
