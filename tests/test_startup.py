@@ -50,3 +50,23 @@ def test_a_later_engine_is_not_held_to_an_earlier_engines_thread_count(monkeypat
         assert mr.cpu_threads()[0] == 2
     finally:
         torch.set_num_threads(before)
+
+
+def test_shutdown_frees_the_engine_while_the_llm_lives(tiny_model):
+    """A script that builds engine after engine (the benchmarks, the harness) keeps its `llm` name bound
+    while the next LLM is built: shutdown() must free the weights and the KV pool now (on an H100 the
+    second 128K engine ran out of memory before it did), and the LLM then says it can't generate."""
+    import gc
+    import weakref
+
+    from sparsevllm import LLM, SamplingParams
+    llm = LLM(tiny_model("llama"), vllm_sparse_method="quest", num_kv_pages=32)
+    llm.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=2), use_tqdm=False)
+    model = weakref.ref(llm.engine.model_runner.model)
+    pool = weakref.ref(llm.engine.cache_manager.pool)
+    llm.shutdown()
+    gc.collect()
+    assert model() is None and pool() is None
+    with pytest.raises(RuntimeError, match="shut down"):
+        llm.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=2), use_tqdm=False)
+    llm.shutdown()   # twice is fine

@@ -245,9 +245,10 @@ def test_shutdown_drops_graphs_before_the_teardown(tiny_model, monkeypatch):
     registered = []
     monkeypatch.setattr(atexit, "unregister", lambda f: registered.append(f))
     llm.generate([PROMPTS[0]], GREEDY, use_tqdm=False)
+    engine = llm.engine
     llm.shutdown()
     assert calls == ["graphs", ("teardown", {"abort": False})]
-    assert llm.engine.shutdown in registered   # the exit hook that shutdown() replaces is the engine's
+    assert engine.shutdown in registered   # the exit hook that shutdown() replaces is the engine's
 
 
 @pytest.mark.long   # one more rank failure; the quick suite keeps test_failing_rank_raises_on_rank_0_*

@@ -59,6 +59,7 @@ DECODE = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=OUTPUT)
 
 
 def engine(method: str, **knobs):
+    gc.collect()   # an earlier engine's last parts (a closure kept its scheduler) go before this one loads
     llm = LLM(mdir, vllm_sparse_method=method, load_format="dummy", max_num_seqs=batch,
               max_model_len=length + OUTPUT + 64, chunk_prefill_size=8192, max_num_batched_tokens=16384, **knobs)
     warm = make_prompts(cfg, batch, 256, seed=10_000)   # compiles and captures outside the timing
@@ -108,13 +109,14 @@ elif args.case == "pressure":
     PAGE = 16
     pool = 2 * -(-(length + OUTPUT // 2) // PAGE)   # admits two prompts, not their outputs
     prompts = make_prompts(cfg, 4, length, seed=1)  # distinct: no prefix-cache hits between them
-    rows = {}
-    for method in ("vanilla", "auto"):
+
+    def pressure(method: str) -> dict:
+        """One engine's run; a function so that nothing of the engine (its scheduler) outlives close()."""
         llm, _ = engine(method, page_size=PAGE, num_kv_pages=pool)
         sched, prefilled = llm.engine.scheduler, []
         real = sched._schedule_prefill
 
-        def counted(real=real, prefilled=prefilled):
+        def counted():
             b = real()
             prefilled.extend(b.num_tokens)
             return b
@@ -124,14 +126,16 @@ elif args.case == "pressure":
         outs = llm.generate(prompts, DECODE, use_tqdm=False)
         wall = time.perf_counter() - start
         assert all(o.error is None for o in outs), [o.error for o in outs]
-        rows[method] = dict(case=f"pressure {method} 4 x {length}", pool_pages=pool, wall_s=wall,
-                            prefilled_tokens=sum(prefilled), prompt_tokens=4 * length,
-                            preemptions=sched.num_preemptions - preempted,
-                            compactions=sched.num_pressure_compactions - compacted,
-                            compacted=[o.metrics["sparse"].get("compacted") for o in outs],
-                            device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")
-        print("ROW", json.dumps(rows[method]), flush=True)
+        row = dict(case=f"pressure {method} 4 x {length}", pool_pages=pool, wall_s=wall,
+                   prefilled_tokens=sum(prefilled), prompt_tokens=4 * length,
+                   preemptions=sched.num_preemptions - preempted,
+                   compactions=sched.num_pressure_compactions - compacted,
+                   compacted=[o.metrics["sparse"].get("compacted") for o in outs],
+                   device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")
+        print("ROW", json.dumps(row), flush=True)
         close(llm)
+        return row
+    rows = {method: pressure(method) for method in ("vanilla", "auto")}
     print("ROW", json.dumps(dict(case="pressure auto vs vanilla",
                                  wall_auto_over_vanilla=rows["auto"]["wall_s"] / rows["vanilla"]["wall_s"],
                                  no_recompute=rows["auto"]["prefilled_tokens"] == 4 * length

@@ -1,4 +1,5 @@
 """The vLLM-shaped facade: LLM(model, vllm_sparse_method=..., **knobs).generate(prompts, params)."""
+import gc
 import logging
 
 import torch
@@ -21,13 +22,21 @@ class LLM:
         self.hf_config = self.engine.model_config
 
     def shutdown(self) -> None:
-        """Stop the tensor-parallel worker processes (also at exit or when the LLM is collected)."""
-        engine = self.__dict__.get("engine")
+        """Stop the engine and give its GPU memory back: the tensor-parallel worker processes exit, and
+        the weights, KV pool and captured graphs are freed now, so a script can build the next LLM in
+        the same process (the LLM can't generate after this)."""
+        engine = self.__dict__.pop("engine", None)
         if engine is not None:
             engine.shutdown()
+            del engine
+            gc.collect()   # the engine's parts point at each other: only a collection frees them
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
 
     def __del__(self):
-        self.shutdown()
+        engine = self.__dict__.get("engine")   # at exit or when collected: the ranks stop, memory goes with us
+        if engine is not None:
+            engine.shutdown()
 
     def __enter__(self):
         return self
@@ -67,6 +76,8 @@ class LLM:
         sparse = sparse_params if isinstance(sparse_params, list) else [sparse_params] * len(prompts)
         if len(sparse) != len(prompts):
             raise ValueError(f"got {len(sparse)} sparse_params for {len(prompts)} prompts")
+        if "engine" not in self.__dict__:
+            raise RuntimeError("this LLM was shut down (llm.shutdown()); build a new LLM to generate")
         seqs = []
         try:
             for p, sp, sparsity in zip(prompts, params, sparse):
