@@ -354,5 +354,5 @@ def test_interrupt_mid_forward_leaves_a_clear_error_not_a_hang(tiny_model, monke
 def test_generate_after_shutdown_is_a_clear_error(tiny_model):
     llm = LLM(tiny_model("llama"), tensor_parallel_size=2, num_kv_pages=32)
     llm.shutdown()
-    with pytest.raises(RuntimeError, match="tensor-parallel ranks were stopped.*create a new LLM"):
+    with pytest.raises(RuntimeError, match="was shut down.*create a new LLM"):
         llm.generate([PROMPTS[3]], GREEDY, use_tqdm=False)

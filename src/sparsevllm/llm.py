@@ -77,7 +77,7 @@ class LLM:
         if len(sparse) != len(prompts):
             raise ValueError(f"got {len(sparse)} sparse_params for {len(prompts)} prompts")
         if "engine" not in self.__dict__:
-            raise RuntimeError("this LLM was shut down (llm.shutdown()); build a new LLM to generate")
+            raise RuntimeError("this LLM was shut down (llm.shutdown()): create a new LLM to generate")
         seqs = []
         try:
             for p, sp, sparsity in zip(prompts, params, sparse):
