@@ -36,6 +36,9 @@ class FakeLLM:
         self.lossy = method != "vanilla" and knobs.get("lossy_budget") == 1
         self.recall = bool(knobs.get("recall_sample_every"))   # the engine's attention-recall telemetry
 
+    def shutdown(self):
+        pass
+
     def generate(self, prompts, params, use_tqdm=True):
         self.calls.append(("generate", len(prompts)))
         outs = []

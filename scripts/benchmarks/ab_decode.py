@@ -85,7 +85,7 @@ for spec in args.cases:
                    sampled_steps=[x["attention_recall"]["sampled_steps"] for x in ms])
     print("ROW", json.dumps(row), flush=True)
     llm.shutdown()
-    del llm, outs
+    del llm, outs   # a tree older than b85729a frees its engine only when the LLM is collected
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()

@@ -84,23 +84,16 @@ def run(llm, prompt, name: str, sparse: list) -> dict:
     return row
 
 
-def close(llm):
-    llm.shutdown()
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-
-
 if args.case == "mixed":
     llm, prompt = engine("vanilla")
     vanilla = run(llm, prompt, "vanilla x 2 (vanilla engine)", [None, None])
-    close(llm)
+    llm.shutdown()
     llm, prompt = engine("quest")
     quest = run(llm, prompt, "quest x 2", [None, None])
     dense = SparseParams(method="vanilla")
     mixed = run(llm, prompt, "quest x 2 + vanilla x 2", [None, dense, None, dense])
     run(llm, prompt, "vanilla rows x 2 (quest engine)", [dense, dense])
-    close(llm)
+    llm.shutdown()
     predicted = 4 / (2 / quest["decode_tok_s"] + 2 / vanilla["decode_tok_s"])
     print("ROW", json.dumps(dict(case="mixed vs predicted", predicted_tok_s=predicted,
                                  mixed_tok_s=mixed["decode_tok_s"],
@@ -111,7 +104,7 @@ elif args.case == "pressure":
     prompts = make_prompts(cfg, 4, length, seed=1)  # distinct: no prefix-cache hits between them
 
     def pressure(method: str) -> dict:
-        """One engine's run; a function so that nothing of the engine (its scheduler) outlives close()."""
+        """One engine's run; a function so that nothing of the engine (its scheduler) outlives it."""
         llm, _ = engine(method, page_size=PAGE, num_kv_pages=pool)
         sched, prefilled = llm.engine.scheduler, []
         real = sched._schedule_prefill
@@ -133,7 +126,7 @@ elif args.case == "pressure":
                    compacted=[o.metrics["sparse"].get("compacted") for o in outs],
                    device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")
         print("ROW", json.dumps(row), flush=True)
-        close(llm)
+        llm.shutdown()
         return row
     rows = {method: pressure(method) for method in ("vanilla", "auto")}
     print("ROW", json.dumps(dict(case="pressure auto vs vanilla",
@@ -158,13 +151,13 @@ elif args.case == "workload":
                                          sparse=sorted({ms[i]["sparse"]["method"] for i in rows}),
                                          device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")),
                   flush=True)
-        close(llm)
+        llm.shutdown()
 else:
     rows = {}
     for method in ("vanilla", "auto"):
         llm, prompt = engine(method)
         rows[method] = run(llm, prompt, f"{method} {batch} x {length}", [None] * batch)
-        close(llm)
+        llm.shutdown()
     print("ROW", json.dumps(dict(case="auto vs vanilla",
                                  auto_over_vanilla=rows["auto"]["decode_tok_s"] / rows["vanilla"]["decode_tok_s"])),
           flush=True)

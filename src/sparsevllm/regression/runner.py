@@ -6,7 +6,6 @@ cells of samples at a time, so the engine batches them. Each finished sample is 
 (variant, task, length, index, prompt hash) is already there, so an interrupted run resumes.
 """
 
-import gc
 import json
 import logging
 import os
@@ -245,11 +244,7 @@ class Runner:
                     errors.append(f"{variant.label} {task}/{length}: {e!r}")
                 self._append(records)
                 bar.update(len(chunk))
-        del llm
-        gc.collect()
-        import torch
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        llm.shutdown()   # its weights and KV go before the next variant's engine loads
         return errors
 
     def _record(self, variant: Variant, s: Sample, **fields) -> dict:
