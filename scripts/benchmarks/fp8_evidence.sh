@@ -4,6 +4,7 @@
 #   bash scripts/benchmarks/fp8_evidence.sh first  $OUT   # GPU fp8 tests; vanilla auto vs fp8 at 128K x 4 (64K on an H100); capacity
 #   bash scripts/benchmarks/fp8_evidence.sh sparse $OUT   # quest, omnikv, snapkv auto vs fp8 at the same size; hisparse 64K x 4;
 #                                                           deltakv 32K x 4 (random compressor)
+#   bash scripts/benchmarks/fp8_evidence.sh hisparse $OUT # capacity under a cap: vanilla bf16 64K x 2 against hisparse fp8 64K x 10
 # Every A/B pair runs in one process on one card (ab_decode.py: Llama-3.1-8B shape, random bf16 weights,
 # CUDA graphs, output 256); compare the fp8 / auto ratio of decode_tok_s. Logs and ROW lines go to $OUT.
 set -uo pipefail
@@ -29,6 +30,13 @@ if [ "$part" = first ]; then
       --gpu_memory_utilization "$util" --hyper_params "{\"chunk_prefill_size\": 16384, \"max_num_batched_tokens\": 16384, \"kv_cache_dtype\": \"$kv\"}" \
       --out "$out/capacity.jsonl" 2>&1 | tail -1 | tee -a "$out/capacity.log"
   done
+elif [ "$part" = hisparse ]; then
+  # The cap where vanilla bf16 fits 2 x 64K: 8,300 pages of 2 MiB (bf16, 16 tokens, 32 layers x 8 KV heads
+  # x 128). HiSparse's fp8 page is 1,085,440 bytes (K and V in e4m3, a fp32 scale per token and head,
+  # and its bf16 scratch row), so the same bytes hold 16,036 of them; its host pool holds the 10 prompts
+  # (44 GB in fp8 against 82 GB in bf16: half the PCIe bytes a missed page costs).
+  AB_DISTINCT=1 AB_KNOBS='{"num_kv_pages": 8300}' ab vanilla:65536:2:auto
+  AB_DISTINCT=1 AB_KNOBS='{"num_kv_pages": 16036, "hisparse_host_memory_gb": 44}' ab hisparse:65536:10:fp8
 else
   AB_DISTINCT=1 ab quest:$L:4:auto quest:$L:4:fp8 omnikv:$L:4:auto omnikv:$L:4:fp8 \
      snapkv:$L:4:auto snapkv:$L:4:fp8
