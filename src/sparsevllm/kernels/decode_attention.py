@@ -61,6 +61,11 @@ FP8_F16 = os.environ.get("SPARSEVLLM_FP8_F16", "1") == "1"
 # Its blocks are twice as long (half the bytes each; a view's token scores keep BLOCK_N's registers).
 FP8_BLOCK_N = 128
 FP8_NUM_STAGES = 2
+# Its program needs 168 registers (Triton 3.6, sm_90), so 3 fit an SM, not 4: PROGRAMS_PER_SM's 4 made 1.3
+# waves (512 programs on 396 slots at 128K x 4). 6 makes two full waves: one layer at 128K x 4 on an H200,
+# 477.3 -> 387.7 us (bf16 cache 495.3 us); the engine's 128K x 4 decode 222.66 -> 242.27 tok/s (auto 206.33).
+FP8_PROGRAMS_PER_SM = 6
+FP8_MAXNREG = None   # a register cap for the FP8 launch (128: 4 programs an SM but spills; slower at every split)
 
 LN2 = 0.6931471805599453   # log-sum-exps leave the kernels in log2 units
 
@@ -272,13 +277,13 @@ def _decode_merge_kernel(mid_o_ptr, mid_lse_ptr, out_ptr,
 
 
 def num_splits(batch: int, num_kv_heads: int, table_width: int, page_size: int,
-               device: torch.device) -> int:
+               device: torch.device, programs_per_sm: int | None = None) -> int:
     """Splits per row: about PROGRAMS_PER_SM programs per SM, no split under MIN_SPLIT_TOKENS.
 
     A function of static shapes only, so a captured graph's split count is right for any lengths.
     """
     sms = sm_count(device) or 4
-    want = PROGRAMS_PER_SM * sms // max(1, batch * num_kv_heads)
+    want = (programs_per_sm or PROGRAMS_PER_SM) * sms // max(1, batch * num_kv_heads)
     cap = max(1, table_width * page_size // MIN_SPLIT_TOKENS)
     return int(max(1, min(want, cap, 128)))
 
@@ -300,9 +305,10 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     per_query_head = G == Hq and Hq != Hkv
     rows = Hq if per_query_head else Hkv       # programs per request and split
     QG = 1 if per_query_head else Hq // Hkv    # query heads per program
-    S = num_splits(B, rows, N, P, q.device)
     f16 = k_scale is not None and FP8_F16 and q.dtype != torch.float32
-    block_n, stages = (FP8_BLOCK_N, FP8_NUM_STAGES) if f16 and token_scores is None else (BLOCK_N, NUM_STAGES)
+    fp8_launch = f16 and token_scores is None
+    S = num_splits(B, rows, N, P, q.device, FP8_PROGRAMS_PER_SM if fp8_launch else None)
+    block_n, stages = (FP8_BLOCK_N, FP8_NUM_STAGES) if fp8_launch else (BLOCK_N, NUM_STAGES)
     score_iters = 1
     if token_scores is not None:   # enough splits that a split's blocks fit the staged scores
         S = max(S, -(-(N * P) // (MAX_SCORE_ITERS * BLOCK_N)))
@@ -327,6 +333,7 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     BLOCK_D = pow2(D)
     on = PDL_ATTENTION and pdl()
     launch = {"launch_pdl": True} if on else {}
+    split_launch = dict(launch, maxnreg=FP8_MAXNREG) if fp8_launch and FP8_MAXNREG else launch
     _decode_split_kernel[(B, rows, S)](
         q, k_cache, v_cache, table, lengths, mid_o, mid_lse, out,
         token_scores if token_scores is not None else out, scale * 1.4426950408889634,
@@ -340,7 +347,7 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         BLOCK_H=max(16, pow2(QG)), BLOCK_N=block_n,
         UPCAST=upcast, DOT_PREC=dot_precision(q.dtype), DIRECT=direct, TOKEN_SCORES=token_scores is not None,
         SCORE_ITERS=score_iters, SCALED=scaled, F16=f16, PDL=on,
-        num_warps=SCORES_NUM_WARPS if token_scores is not None else NUM_WARPS, num_stages=stages, **launch)
+        num_warps=SCORES_NUM_WARPS if token_scores is not None else NUM_WARPS, num_stages=stages, **split_launch)
     if direct:
         return out
     _decode_merge_kernel[(B, Hq)](
