@@ -66,6 +66,11 @@ FP8_NUM_STAGES = 2
 # 477.3 -> 387.7 us (bf16 cache 495.3 us); the engine's 128K x 4 decode 222.66 -> 242.27 tok/s (auto 206.33).
 FP8_PROGRAMS_PER_SM = 6
 FP8_MAXNREG = None   # a register cap for the FP8 launch (128: 4 programs an SM but spills; slower at every split)
+# V is p @ v's second operand, whose contraction runs over tokens: read from shared memory as e4m3, each
+# thread gathers 4 tokens' bytes of one column one byte at a time (128 LDS.U8 a 128-token block in the
+# SASS, Triton 3.6, sm_90), which set the FP8 kernel's pace. Read as int32 words and unpacked in registers,
+# the widened fp16 tile takes the path a bf16 V takes (ldmatrix.trans). A/B: SPARSEVLLM_FP8_V_WORDS=0.
+FP8_V_WORDS = os.environ.get("SPARSEVLLM_FP8_V_WORDS", "1") == "1"
 
 LN2 = 0.6931471805599453   # log-sum-exps leave the kernels in log2 units
 
@@ -138,6 +143,12 @@ def decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
 
 
 @jit
+def _e4m3_byte(w, shift: tl.constexpr):
+    """Byte `shift / 8` of each int32 word as an e4m3 value widened to fp16 (exact)."""
+    return ((w >> shift) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+
+
+@jit
 def _decode_split_kernel(
         q_ptr, k_ptr, v_ptr, table_ptr, len_ptr, mid_o_ptr, mid_lse_ptr, out_ptr, tok_ptr, qk_scale,
         ks_ptr, vs_ptr, stride_ss, stride_sh,
@@ -150,7 +161,7 @@ def _decode_split_kernel(
         BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
         UPCAST: tl.constexpr, DOT_PREC: tl.constexpr, DIRECT: tl.constexpr, TOKEN_SCORES: tl.constexpr,
         SCORE_ITERS: tl.constexpr, SCALED: tl.constexpr = False, F16: tl.constexpr = False,
-        PDL: tl.constexpr = False):
+        V_WORDS: tl.constexpr = False, PDL: tl.constexpr = False):
     if PDL:   # everything read here (q, the cache, the view) comes from the kernels before
         gdc_wait()
     b = tl.program_id(0)
@@ -205,8 +216,20 @@ def _decode_split_kernel(
         kv_mask = tok_ok[:, None] & dim_ok[None, :]
         k = tl.load(k_ptr + slot[:, None] * stride_ks + kvh * stride_kh + dims[None, :],
                     mask=kv_mask, other=0.0)
-        v = tl.load(v_ptr + slot[:, None] * stride_vs + kvh * stride_vh + dims[None, :],
-                    mask=kv_mask, other=0.0)
+        if V_WORDS:   # an FP8 V read as 4-byte words and unpacked here (V_WORDS at the top of the file says why)
+            words = tl.arange(0, BLOCK_D // 4)
+            w = tl.load(v_ptr.to(tl.pointer_type(tl.int32)) + slot[:, None] * (stride_vs // 4)
+                        + kvh * (stride_vh // 4) + words[None, :],
+                        mask=tok_ok[:, None] & (words[None, :] < HEAD_DIM // 4), other=0)
+            b0 = _e4m3_byte(w, 0)
+            b1 = _e4m3_byte(w, 8)
+            b2 = _e4m3_byte(w, 16)
+            b3 = _e4m3_byte(w, 24)
+            # byte i of word j is element 4 j + i: join's new axis is the last, so (b0, b2) / (b1, b3) pair up
+            v = tl.reshape(tl.join(tl.join(b0, b2), tl.join(b1, b3)), (BLOCK_N, BLOCK_D))
+        else:
+            v = tl.load(v_ptr + slot[:, None] * stride_vs + kvh * stride_vh + dims[None, :],
+                        mask=kv_mask, other=0.0)
         k = k.to(q.dtype)   # widened in registers (UPCAST: fp32; an FP8 cache: q's dtype, fp16 under F16)
         if SCALED:   # FP8: a key's scale multiplies its logit column, a value's scale its row (or p's column)
             s_off = slot * stride_ss + kvh * stride_sh
@@ -328,6 +351,9 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     if scaled:
         assert v_scale is not None and k_scale.dtype == v_scale.dtype == torch.float32
         assert k_scale.shape == v_scale.shape == k_cache.shape[:2] and k_scale.stride() == v_scale.stride()
+    # V read as int32 words: whole words per token and head (D, the strides and the base a multiple of 4)
+    v_words = (f16 and FP8_V_WORDS and D % 4 == 0 and v_cache.stride(0) % 4 == 0 and v_cache.stride(1) % 4 == 0
+               and v_cache.data_ptr() % 4 == 0)
     stride_tg = table.stride(1) if G > 1 else 0
     stride_lg = lengths.stride(1) if G > 1 else 0
     BLOCK_D = pow2(D)
@@ -346,7 +372,7 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         S, QG=QG, KV_DIV=Hq // Hkv if per_query_head else 1, P=P, HEAD_DIM=D, BLOCK_D=BLOCK_D,
         BLOCK_H=max(16, pow2(QG)), BLOCK_N=block_n,
         UPCAST=upcast, DOT_PREC=dot_precision(q.dtype), DIRECT=direct, TOKEN_SCORES=token_scores is not None,
-        SCORE_ITERS=score_iters, SCALED=scaled, F16=f16, PDL=on,
+        SCORE_ITERS=score_iters, SCALED=scaled, F16=f16, V_WORDS=v_words, PDL=on,
         num_warps=SCORES_NUM_WARPS if token_scores is not None else NUM_WARPS, num_stages=stages, **split_launch)
     if direct:
         return out
