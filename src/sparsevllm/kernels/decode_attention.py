@@ -71,6 +71,9 @@ FP8_MAXNREG = None   # a register cap for the FP8 launch (128: 4 programs an SM 
 # SASS, Triton 3.6, sm_90), which set the FP8 kernel's pace. Read as int32 words and unpacked in registers,
 # the widened fp16 tile takes the path a bf16 V takes (ldmatrix.trans). A/B: SPARSEVLLM_FP8_V_WORDS=0.
 FP8_V_WORDS = os.environ.get("SPARSEVLLM_FP8_V_WORDS", "1") == "1"
+# K's operand reads 8 bytes at a time as e4m3 already; words for K too are a probe (fewer registers, 150
+# against 194 at BLOCK_N 128, so 3 programs fit an SM), off until measured.
+FP8_K_WORDS = os.environ.get("SPARSEVLLM_FP8_K_WORDS", "0") == "1"
 
 LN2 = 0.6931471805599453   # log-sum-exps leave the kernels in log2 units
 
@@ -149,6 +152,34 @@ def _e4m3_byte(w, shift: tl.constexpr):
 
 
 @jit
+def _e4m3_tile(ptr, slot, kvh, stride_s, stride_h, tok_ok, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_D: tl.constexpr, ASM: tl.constexpr):
+    """The [BLOCK_N, BLOCK_D] fp16 tile of an e4m3 cache's tokens `slot` (KV head kvh), read as int32 words
+    and widened in registers (exact). ASM: two native converts a word (cvt.rn.f16x2.e4m3x2); the
+    interpreter, which runs no PTX, takes the same values byte by byte."""
+    words = tl.arange(0, BLOCK_D // 4)
+    w = tl.load(ptr.to(tl.pointer_type(tl.int32)) + slot[:, None] * (stride_s // 4) + kvh * (stride_h // 4)
+                + words[None, :], mask=tok_ok[:, None] & (words[None, :] < HEAD_DIM // 4), other=0)
+    if ASM:
+        b0, b1, b2, b3 = tl.inline_asm_elementwise(
+            asm="""{ .reg .b16 lo, hi; .reg .b32 a, b;
+            mov.b32 {lo, hi}, $4;
+            cvt.rn.f16x2.e4m3x2 a, lo;
+            cvt.rn.f16x2.e4m3x2 b, hi;
+            mov.b32 {$0, $1}, a;
+            mov.b32 {$2, $3}, b; }""",
+            constraints="=h,=h,=h,=h,r", args=[w], dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
+            is_pure=True, pack=1)
+    else:
+        b0 = _e4m3_byte(w, 0)
+        b1 = _e4m3_byte(w, 8)
+        b2 = _e4m3_byte(w, 16)
+        b3 = _e4m3_byte(w, 24)
+    # byte i of word j is element 4 j + i: join's new axis is the last, so (b0, b2) and (b1, b3) pair up
+    return tl.reshape(tl.join(tl.join(b0, b2), tl.join(b1, b3)), (BLOCK_N, BLOCK_D))
+
+
+@jit
 def _decode_split_kernel(
         q_ptr, k_ptr, v_ptr, table_ptr, len_ptr, mid_o_ptr, mid_lse_ptr, out_ptr, tok_ptr, qk_scale,
         ks_ptr, vs_ptr, stride_ss, stride_sh,
@@ -161,7 +192,8 @@ def _decode_split_kernel(
         BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
         UPCAST: tl.constexpr, DOT_PREC: tl.constexpr, DIRECT: tl.constexpr, TOKEN_SCORES: tl.constexpr,
         SCORE_ITERS: tl.constexpr, SCALED: tl.constexpr = False, F16: tl.constexpr = False,
-        V_WORDS: tl.constexpr = False, V_ASM: tl.constexpr = False, PDL: tl.constexpr = False):
+        V_WORDS: tl.constexpr = False, K_WORDS: tl.constexpr = False, V_ASM: tl.constexpr = False,
+        PDL: tl.constexpr = False):
     if PDL:   # everything read here (q, the cache, the view) comes from the kernels before
         gdc_wait()
     b = tl.program_id(0)
@@ -214,30 +246,13 @@ def _decode_split_kernel(
         # int64 before the stride multiply: slot * stride overflows int32 on large pools.
         slot = page.to(tl.int64) * P + toks % P
         kv_mask = tok_ok[:, None] & dim_ok[None, :]
-        k = tl.load(k_ptr + slot[:, None] * stride_ks + kvh * stride_kh + dims[None, :],
-                    mask=kv_mask, other=0.0)
+        if K_WORDS:   # the same for K (FP8_K_WORDS)
+            k = _e4m3_tile(k_ptr, slot, kvh, stride_ks, stride_kh, tok_ok, HEAD_DIM, BLOCK_N, BLOCK_D, V_ASM)
+        else:
+            k = tl.load(k_ptr + slot[:, None] * stride_ks + kvh * stride_kh + dims[None, :],
+                        mask=kv_mask, other=0.0)
         if V_WORDS:   # an FP8 V read as 4-byte words and unpacked here (V_WORDS at the top of the file says why)
-            words = tl.arange(0, BLOCK_D // 4)
-            w = tl.load(v_ptr.to(tl.pointer_type(tl.int32)) + slot[:, None] * (stride_vs // 4)
-                        + kvh * (stride_vh // 4) + words[None, :],
-                        mask=tok_ok[:, None] & (words[None, :] < HEAD_DIM // 4), other=0)
-            if V_ASM:   # two native converts a word (e4m3 pairs -> f16x2): 1,395 -> 1,095 instructions a block
-                b0, b1, b2, b3 = tl.inline_asm_elementwise(
-                    asm="""{ .reg .b16 lo, hi; .reg .b32 a, b;
-                    mov.b32 {lo, hi}, $4;
-                    cvt.rn.f16x2.e4m3x2 a, lo;
-                    cvt.rn.f16x2.e4m3x2 b, hi;
-                    mov.b32 {$0, $1}, a;
-                    mov.b32 {$2, $3}, b; }""",
-                    constraints="=h,=h,=h,=h,r", args=[w], dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
-                    is_pure=True, pack=1)
-            else:   # the interpreter runs no PTX: the same values byte by byte
-                b0 = _e4m3_byte(w, 0)
-                b1 = _e4m3_byte(w, 8)
-                b2 = _e4m3_byte(w, 16)
-                b3 = _e4m3_byte(w, 24)
-            # byte i of word j is element 4 j + i: join's new axis is the last, so (b0, b2) / (b1, b3) pair up
-            v = tl.reshape(tl.join(tl.join(b0, b2), tl.join(b1, b3)), (BLOCK_N, BLOCK_D))
+            v = _e4m3_tile(v_ptr, slot, kvh, stride_vs, stride_vh, tok_ok, HEAD_DIM, BLOCK_N, BLOCK_D, V_ASM)
         else:
             v = tl.load(v_ptr + slot[:, None] * stride_vs + kvh * stride_vh + dims[None, :],
                         mask=kv_mask, other=0.0)
@@ -383,7 +398,9 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         S, QG=QG, KV_DIV=Hq // Hkv if per_query_head else 1, P=P, HEAD_DIM=D, BLOCK_D=BLOCK_D,
         BLOCK_H=max(16, pow2(QG)), BLOCK_N=block_n,
         UPCAST=upcast, DOT_PREC=dot_precision(q.dtype), DIRECT=direct, TOKEN_SCORES=token_scores is not None,
-        SCORE_ITERS=score_iters, SCALED=scaled, F16=f16, V_WORDS=v_words, V_ASM=v_words and os.environ.get("TRITON_INTERPRET") != "1", PDL=on,
+        SCORE_ITERS=score_iters, SCALED=scaled, F16=f16, V_WORDS=v_words,
+        K_WORDS=v_words and FP8_K_WORDS and k_cache.stride(0) % 4 == 0 and k_cache.stride(1) % 4 == 0
+        and k_cache.data_ptr() % 4 == 0, V_ASM=v_words and os.environ.get("TRITON_INTERPRET") != "1", PDL=on,
         num_warps=SCORES_NUM_WARPS if token_scores is not None else NUM_WARPS, num_stages=stages, **split_launch)
     if direct:
         return out
