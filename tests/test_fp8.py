@@ -39,15 +39,23 @@ def test_quantize_ref_round_trips_within_fp8_precision():
     assert torch.equal(quantize_ref(torch.zeros(2, 3))[1], torch.ones(2))   # a zero vector: scale 1
 
 
+def fp8_path(monkeypatch, path):
+    """The decode kernel's FP8 path: "bf16" tiles, "f16" tiles, or f16 tiles read as int32 "words"."""
+    monkeypatch.setattr(da, "FP8_F16", path != "bf16")
+    monkeypatch.setattr(da, "FP8_V_WORDS", path == "words")
+    monkeypatch.setattr(da, "FP8_K_WORDS", path == "words")
+
+
 @interp
 @pytest.mark.parametrize("P,G,dtype", [(16, 1, torch.float32), (16, 2, torch.float16), (1, 1, torch.float32),
                                        (4, 4, torch.float32), (4, 4, torch.float16), (1, 1, torch.float16)])
-@pytest.mark.parametrize("f16", [False, True])
-def test_decode_attention_fp8_triton_matches_reference(P, G, dtype, f16, poison, monkeypatch):
+@pytest.mark.parametrize("path", ["bf16", "f16", "words"])
+def test_decode_attention_fp8_triton_matches_reference(P, G, dtype, path, poison, monkeypatch):
     """G = 1 (shared), H_kv (per KV head) and H_q (per query head) rows over an FP8 cache; a half q
-    through the fp16 path (FP8_F16: fp16 tiles, V's scales on p, 128-token blocks) and the bf16 one."""
+    through the fp16 path (FP8_F16: fp16 tiles, V's scales on p, 128-token blocks), the same reading K
+    and V as int32 words (FP8_V_WORDS, FP8_K_WORDS), and the bf16 one."""
     monkeypatch.setattr(da, "MIN_SPLIT_TOKENS", 16)
-    monkeypatch.setattr(da, "FP8_F16", f16)
+    fp8_path(monkeypatch, path)
     g = torch.Generator().manual_seed(P * 7 + G)
     B, Hq, Hkv, D = 3, 4, 2, 32
     N = {1: 70, 4: 20, 16: 5}[P]
@@ -63,11 +71,12 @@ def test_decode_attention_fp8_triton_matches_reference(P, G, dtype, f16, poison,
 
 
 @interp
-@pytest.mark.parametrize("dtype,f16", [(torch.float32, True), (torch.float16, False), (torch.float16, True)])
-def test_decode_attention_fp8_reports_token_scores_of_the_dequantized_keys(dtype, f16, monkeypatch):
+@pytest.mark.parametrize("dtype,path", [(torch.float32, "f16"), (torch.float16, "bf16"), (torch.float16, "f16"),
+                                        (torch.float16, "words")])
+def test_decode_attention_fp8_reports_token_scores_of_the_dequantized_keys(dtype, path, monkeypatch):
     """fp32 q widens the tiles to fp32 either way; a half q takes the fp16 path under FP8_F16."""
     monkeypatch.setattr(da, "MIN_SPLIT_TOKENS", 16)
-    monkeypatch.setattr(da, "FP8_F16", f16)
+    fp8_path(monkeypatch, path)
     g = torch.Generator().manual_seed(5)
     q, kc, vc, table, lengths = decode_case(g, 2, 4, 2, 32, 1, 1, 80, dtype, "cpu")
     (k8, ks), (v8, vs) = to_fp8(kc), to_fp8(vc)
@@ -131,10 +140,18 @@ def test_rope_store_fp8_quantizes_each_token_and_head(dtype, bounds, poison):
 
 
 @gpu
-def test_fp8_kernels_match_references_on_gpu():
+@pytest.mark.parametrize("path", ["f16", "words", "v_words"])
+def test_fp8_kernels_match_references_on_gpu(path, monkeypatch):
+    """"words" and "v_words" run the inline-PTX widening the interpreter cannot."""
+    fp8_path(monkeypatch, "words" if path == "v_words" else path)
+    monkeypatch.setattr(da, "FP8_K_WORDS", path == "words")
     g = torch.Generator().manual_seed(0)
     dt = torch.bfloat16
     q, kc, vc, table, lengths = decode_case(g, 4, 32, 8, 128, 16, 1, 512, dt, "cuda")
+    (k8, ks), (v8, vs) = to_fp8(kc), to_fp8(vc)
+    close(da.decode_attention_triton(q, k8, v8, table, lengths, 16, 0.088, None, ks, vs),
+          da.decode_attention_ref(q, k8, v8, table, lengths, 16, 0.088, None, ks, vs), dt)
+    q, kc, vc, table, lengths = decode_case(g, 4, 32, 8, 128, 16, 8, 64, dt, "cuda")   # QuEST-like G = H_kv rows
     (k8, ks), (v8, vs) = to_fp8(kc), to_fp8(vc)
     close(da.decode_attention_triton(q, k8, v8, table, lengths, 16, 0.088, None, ks, vs),
           da.decode_attention_ref(q, k8, v8, table, lengths, 16, 0.088, None, ks, vs), dt)

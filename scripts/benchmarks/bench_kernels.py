@@ -13,6 +13,8 @@ Decoder layers' GEMMs with the RMSNorms as launches against the norms in the GEM
 DeltaKV's up(z) of the selected latents: gather + F.linear against the gathering Triton GEMM.
 --sweep first tries launch settings of the decode and prefill kernels and uses the best;
 --sweep-splits times several split-count heuristics.
+--sweep-fp8 times only the FP8 decode paths (V and K read as bytes or as int32 words) and split counts
+at 4 x 64K / 128K tokens against the bf16 cache, then stops.
 `--smoke` runs tiny shapes on whatever device there is (under TRITON_INTERPRET on CPU) to check the
 script itself.
 """
@@ -453,6 +455,43 @@ def varlen_backend(q):
     return "reference"
 
 
+def to_fp8(x):
+    """E4M3 with a scale per token and KV head (amax / 448), as the engine stores it."""
+    scale = (x.float().abs().amax(-1) / 448).clamp_min(1e-6)
+    return (x.float() / scale[..., None]).to(torch.float8_e4m3fn), scale
+
+
+def sweep_fp8(results, gen, contexts):
+    """Graph-timed decode over an FP8 cache (4 requests, distinct pages, P = 16, G = 1) for each path:
+    V's and K's e4m3 tiles read as bytes or as int32 words (FP8_V_WORDS, FP8_K_WORDS) at several
+    FP8_PROGRAMS_PER_SM; the bf16 cache at its defaults beside them. GB/s counts the FP8 bytes and scales."""
+    keep = da.FP8_V_WORDS, da.FP8_K_WORDS, da.FP8_PROGRAMS_PER_SM
+    for ctx in contexts:
+        k_cache = torch.randn(4 * ctx, HKV, D, device=DEV, dtype=torch.bfloat16, generator=gen)
+        v_cache = torch.randn_like(k_cache)
+        q = torch.randn(4, HQ, D, device=DEV, dtype=torch.bfloat16, generator=gen)
+        table, lengths = dense_view(4, ctx, 16, 1, gen)
+        ms = bench_graph_ms(lambda: da.decode_attention(q, k_cache, v_cache, table, lengths, 16, D ** -0.5))
+        results.append({"context": ctx, "cache": "bf16", "us": round(ms * 1e3, 1),
+                        "gbps": round(kv_bytes(4, ctx) / ms / 1e6)})
+        print("fp8 sweep", results[-1], flush=True)
+        (k8, ks), (v8, vs) = to_fp8(k_cache), to_fp8(v_cache)
+        del k_cache, v_cache
+        nbytes = 2 * (k8.numel() + ks.numel() * 4)
+        for v_words, k_words in ((False, False), (True, False), (True, True)):
+            for pps in (2, 3, 4, 6):
+                da.FP8_V_WORDS, da.FP8_K_WORDS, da.FP8_PROGRAMS_PER_SM = v_words, k_words, pps
+                ms = bench_graph_ms(lambda: da.decode_attention(q, k8, v8, table, lengths, 16, D ** -0.5,
+                                                                k_scale=ks, v_scale=vs))
+                results.append({"context": ctx, "cache": "fp8", "v_words": v_words, "k_words": k_words,
+                                "programs_per_sm": pps, "us": round(ms * 1e3, 1), "gbps": round(nbytes / ms / 1e6)})
+                print("fp8 sweep", results[-1], flush=True)
+        del k8, v8, ks, vs, table
+        if DEV == "cuda":
+            torch.cuda.empty_cache()
+    da.FP8_V_WORDS, da.FP8_K_WORDS, da.FP8_PROGRAMS_PER_SM = keep
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True, help="JSON file to write")
@@ -462,6 +501,8 @@ def main():
                     help="sweep the decode and prefill launch settings first and use the best")
     ap.add_argument("--sweep-splits", action="store_true",
                     help="also time decode for several split-count heuristics (PROGRAMS_PER_SM)")
+    ap.add_argument("--sweep-fp8", action="store_true",
+                    help="time only the FP8 decode paths and split counts (4 x 64K / 128K), then stop")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, to check the script")
     args = ap.parse_args()
     start = time.time()
@@ -495,6 +536,10 @@ def run(args, report, gen, save):
         linears, rows, cold_bytes = LLAMA_LINEARS, (1, 4, 16), 400e6
     # The interpreter computes bf16 wrongly (common.upcast_loads), so a CPU smoke run uses fp32.
     gemm_dtype = torch.bfloat16 if DEV == "cuda" else torch.float32
+    if args.sweep_fp8:
+        report["fp8_sweep"] = []
+        sweep_fp8(report["fp8_sweep"], gen, (256,) if args.smoke else (65536, 131072))
+        return
     report["decode_sweep"] = []
     if args.sweep and not args.smoke:
         report["decode_settings"] = sweep_decode(report["decode_sweep"], gen, 32768)
