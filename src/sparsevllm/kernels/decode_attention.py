@@ -68,9 +68,10 @@ FP8_PROGRAMS_PER_SM = 6
 FP8_MAXNREG = None   # a register cap for the FP8 launch (128: 4 programs an SM but spills; slower at every split)
 # V is p @ v's second operand, whose contraction runs over tokens: read from shared memory as e4m3, each
 # thread gathers 4 tokens' bytes of one column one byte at a time (128 LDS.U8 a 128-token block in the
-# SASS, Triton 3.6, sm_90), our suspect for why FP8 reads at 2.9 TB/s where bf16 reads at 4.3. Read as int32 words and unpacked in registers,
-# the widened fp16 tile takes the path a bf16 V takes (ldmatrix.trans). Off until it has run on a GPU
-# (its speed and the GPU tests; the CPU tests cover its interpreter path): SPARSEVLLM_FP8_V_WORDS=1 turns it on.
+# SASS, Triton 3.6, sm_90), our suspect for why FP8 reads at 2.9 TB/s where bf16 reads at 4.3. Read as
+# int32 words and widened in registers, the fp16 tile takes the path a bf16 V takes (ldmatrix.trans).
+# Off until it has run on a GPU (its speed and the GPU tests; the CPU tests cover its interpreter path):
+# SPARSEVLLM_FP8_V_WORDS=1 turns it on.
 FP8_V_WORDS = os.environ.get("SPARSEVLLM_FP8_V_WORDS", "0") == "1"
 # K's operand reads 8 bytes at a time as e4m3 already; words for K too are a probe (fewer registers, 150
 # against 194 at BLOCK_N 128, so 3 programs fit an SM), off until measured.
@@ -328,7 +329,8 @@ def _decode_merge_kernel(mid_o_ptr, mid_lse_ptr, out_ptr,
 
 def num_splits(batch: int, num_kv_heads: int, table_width: int, page_size: int,
                device: torch.device, programs_per_sm: int | None = None) -> int:
-    """Splits per row: about PROGRAMS_PER_SM programs per SM, no split under MIN_SPLIT_TOKENS.
+    """Splits per row: about programs_per_sm (default PROGRAMS_PER_SM) programs per SM, no split under
+    MIN_SPLIT_TOKENS.
 
     A function of static shapes only, so a captured graph's split count is right for any lengths.
     """
@@ -336,6 +338,10 @@ def num_splits(batch: int, num_kv_heads: int, table_width: int, page_size: int,
     want = (programs_per_sm or PROGRAMS_PER_SM) * sms // max(1, batch * num_kv_heads)
     cap = max(1, table_width * page_size // MIN_SPLIT_TOKENS)
     return int(max(1, min(want, cap, 128)))
+
+
+def word_aligned(cache: torch.Tensor) -> bool:
+    return cache.stride(0) % 4 == 0 and cache.stride(1) % 4 == 0 and cache.data_ptr() % 4 == 0
 
 
 def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -378,9 +384,10 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     if scaled:
         assert v_scale is not None and k_scale.dtype == v_scale.dtype == torch.float32
         assert k_scale.shape == v_scale.shape == k_cache.shape[:2] and k_scale.stride() == v_scale.stride()
-    # V read as int32 words: whole words per token and head (D, the strides and the base a multiple of 4)
-    v_words = (f16 and FP8_V_WORDS and D % 4 == 0 and v_cache.stride(0) % 4 == 0 and v_cache.stride(1) % 4 == 0
-               and v_cache.data_ptr() % 4 == 0)
+    # K / V read as int32 words: whole words per token and head (D, the strides and the base a multiple of 4)
+    v_words = f16 and FP8_V_WORDS and D % 4 == 0 and word_aligned(v_cache)
+    k_words = v_words and FP8_K_WORDS and word_aligned(k_cache)
+    asm = v_words and os.environ.get("TRITON_INTERPRET") != "1"   # the interpreter runs no inline PTX
     stride_tg = table.stride(1) if G > 1 else 0
     stride_lg = lengths.stride(1) if G > 1 else 0
     BLOCK_D = pow2(D)
@@ -399,9 +406,7 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         S, QG=QG, KV_DIV=Hq // Hkv if per_query_head else 1, P=P, HEAD_DIM=D, BLOCK_D=BLOCK_D,
         BLOCK_H=max(16, pow2(QG)), BLOCK_N=block_n,
         UPCAST=upcast, DOT_PREC=dot_precision(q.dtype), DIRECT=direct, TOKEN_SCORES=token_scores is not None,
-        SCORE_ITERS=score_iters, SCALED=scaled, F16=f16, V_WORDS=v_words,
-        K_WORDS=v_words and FP8_K_WORDS and k_cache.stride(0) % 4 == 0 and k_cache.stride(1) % 4 == 0
-        and k_cache.data_ptr() % 4 == 0, V_ASM=v_words and os.environ.get("TRITON_INTERPRET") != "1", PDL=on,
+        SCORE_ITERS=score_iters, SCALED=scaled, F16=f16, V_WORDS=v_words, K_WORDS=k_words, V_ASM=asm, PDL=on,
         num_warps=SCORES_NUM_WARPS if token_scores is not None else NUM_WARPS, num_stages=stages, **split_launch)
     if direct:
         return out
