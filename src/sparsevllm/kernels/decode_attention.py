@@ -26,7 +26,7 @@ import os
 import torch
 
 from sparsevllm.kernels.common import dot_precision, gdc_launch_dependents, gdc_wait, jit, pdl, pow2, sm_count, tl
-from sparsevllm.kernels.common import upcast_loads, use_triton
+from sparsevllm.kernels.common import e4m3_tile, upcast_loads, use_triton, word_aligned
 
 # Both kernels launch as programmatic dependent launches (common.pdl): each starts while the kernel
 # before it drains and waits for its output in gdc_wait; SPARSEVLLM_PDL_ATTENTION=0 turns it off (A/B).
@@ -148,40 +148,6 @@ def decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
 
 
 @jit
-def _e4m3_byte(w, shift: tl.constexpr):
-    """Byte `shift / 8` of each int32 word as an e4m3 value widened to fp16 (exact)."""
-    return ((w >> shift) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
-
-
-@jit
-def _e4m3_tile(ptr, slot, kvh, stride_s, stride_h, tok_ok, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
-               BLOCK_D: tl.constexpr, ASM: tl.constexpr):
-    """The [BLOCK_N, BLOCK_D] fp16 tile of an e4m3 cache's tokens `slot` (KV head kvh), read as int32 words
-    and widened in registers (exact). ASM: two native converts a word (cvt.rn.f16x2.e4m3x2); the
-    interpreter, which runs no PTX, takes the same values byte by byte."""
-    words = tl.arange(0, BLOCK_D // 4)
-    w = tl.load(ptr.to(tl.pointer_type(tl.int32)) + slot[:, None] * (stride_s // 4) + kvh * (stride_h // 4)
-                + words[None, :], mask=tok_ok[:, None] & (words[None, :] < HEAD_DIM // 4), other=0)
-    if ASM:
-        b0, b1, b2, b3 = tl.inline_asm_elementwise(
-            asm="""{ .reg .b16 lo, hi; .reg .b32 a, b;
-            mov.b32 {lo, hi}, $4;
-            cvt.rn.f16x2.e4m3x2 a, lo;
-            cvt.rn.f16x2.e4m3x2 b, hi;
-            mov.b32 {$0, $1}, a;
-            mov.b32 {$2, $3}, b; }""",
-            constraints="=h,=h,=h,=h,r", args=[w], dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
-            is_pure=True, pack=1)
-    else:
-        b0 = _e4m3_byte(w, 0)
-        b1 = _e4m3_byte(w, 8)
-        b2 = _e4m3_byte(w, 16)
-        b3 = _e4m3_byte(w, 24)
-    # byte i of word j is element 4 j + i: join's new axis is the last, so (b0, b2) and (b1, b3) pair up
-    return tl.reshape(tl.join(tl.join(b0, b2), tl.join(b1, b3)), (BLOCK_N, BLOCK_D))
-
-
-@jit
 def _decode_split_kernel(
         q_ptr, k_ptr, v_ptr, table_ptr, len_ptr, mid_o_ptr, mid_lse_ptr, out_ptr, tok_ptr, qk_scale,
         ks_ptr, vs_ptr, stride_ss, stride_sh,
@@ -249,12 +215,12 @@ def _decode_split_kernel(
         slot = page.to(tl.int64) * P + toks % P
         kv_mask = tok_ok[:, None] & dim_ok[None, :]
         if K_WORDS:   # the same for K (FP8_K_WORDS)
-            k = _e4m3_tile(k_ptr, slot, kvh, stride_ks, stride_kh, tok_ok, HEAD_DIM, BLOCK_N, BLOCK_D, V_ASM)
+            k = e4m3_tile(k_ptr, slot, kvh, stride_ks, stride_kh, tok_ok, HEAD_DIM, BLOCK_N, BLOCK_D, V_ASM)
         else:
             k = tl.load(k_ptr + slot[:, None] * stride_ks + kvh * stride_kh + dims[None, :],
                         mask=kv_mask, other=0.0)
         if V_WORDS:   # an FP8 V read as 4-byte words and unpacked here (V_WORDS at the top of the file says why)
-            v = _e4m3_tile(v_ptr, slot, kvh, stride_vs, stride_vh, tok_ok, HEAD_DIM, BLOCK_N, BLOCK_D, V_ASM)
+            v = e4m3_tile(v_ptr, slot, kvh, stride_vs, stride_vh, tok_ok, HEAD_DIM, BLOCK_N, BLOCK_D, V_ASM)
         else:
             v = tl.load(v_ptr + slot[:, None] * stride_vs + kvh * stride_vh + dims[None, :],
                         mask=kv_mask, other=0.0)
@@ -338,10 +304,6 @@ def num_splits(batch: int, num_kv_heads: int, table_width: int, page_size: int,
     want = (programs_per_sm or PROGRAMS_PER_SM) * sms // max(1, batch * num_kv_heads)
     cap = max(1, table_width * page_size // MIN_SPLIT_TOKENS)
     return int(max(1, min(want, cap, 128)))
-
-
-def word_aligned(cache: torch.Tensor) -> bool:
-    return cache.stride(0) % 4 == 0 and cache.stride(1) % 4 == 0 and cache.data_ptr() % 4 == 0
 
 
 def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
