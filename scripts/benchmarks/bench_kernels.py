@@ -37,6 +37,7 @@ from sparsevllm.kernels import prefill_attention as pa, rmsnorm, rope_store as r
 from sparsevllm.kernels import deltakv as kd  # noqa: E402
 from sparsevllm.kernels import page_bounds as pb, page_select as psel, quest as qk  # noqa: E402
 from sparsevllm.kernels import skinny_gemm as sk  # noqa: E402
+from sparsevllm.kernels.common import quantize_ref  # noqa: E402
 
 HQ, HKV, D = 32, 8, 128
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -455,12 +456,6 @@ def varlen_backend(q):
     return "reference"
 
 
-def to_fp8(x):
-    """E4M3 with a scale per token and KV head (amax / 448), as the engine stores it."""
-    scale = (x.float().abs().amax(-1) / 448).clamp_min(1e-6)
-    return (x.float() / scale[..., None]).to(torch.float8_e4m3fn), scale
-
-
 def sweep_fp8(results, gen, contexts):
     """Graph-timed decode over an FP8 cache (4 requests, distinct pages, P = 16, G = 1) for each path:
     V's and K's e4m3 tiles read as bytes or as int32 words (FP8_V_WORDS, FP8_K_WORDS) at several
@@ -475,7 +470,7 @@ def sweep_fp8(results, gen, contexts):
         results.append({"context": ctx, "cache": "bf16", "us": round(ms * 1e3, 1),
                         "gbps": round(kv_bytes(4, ctx) / ms / 1e6)})
         print("fp8 sweep", results[-1], flush=True)
-        (k8, ks), (v8, vs) = to_fp8(k_cache), to_fp8(v_cache)
+        (k8, ks), (v8, vs) = quantize_ref(k_cache), quantize_ref(v_cache)   # as the engine stores them
         del k_cache, v_cache
         nbytes = 2 * (k8.numel() + ks.numel() * 4)
         for v_words, k_words in ((False, False), (True, False), (True, True)):

@@ -65,7 +65,7 @@ FP8_NUM_STAGES = 2
 # waves (512 programs on 396 slots at 128K x 4). 6 makes two full waves: one layer at 128K x 4 on an H200,
 # 477.3 -> 387.7 us (bf16 cache 495.3 us); the engine's 128K x 4 decode 222.66 -> 242.27 tok/s (auto 206.33).
 FP8_PROGRAMS_PER_SM = 6
-FP8_MAXNREG = None   # a register cap for the FP8 launch (128: 4 programs an SM but spills; slower at every split)
+# (A register cap of 128, so that 4 fit, spilled and was slower at every split count: not kept.)
 # V is p @ v's second operand, whose contraction runs over tokens: read from shared memory as e4m3, each
 # thread gathers 4 tokens' bytes of one column one byte at a time (128 LDS.U8 a 128-token block in the
 # SASS, Triton 3.6, sm_90), our suspect for why FP8 reads at 2.9 TB/s where bf16 reads at 4.3. Read as
@@ -355,7 +355,6 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     BLOCK_D = pow2(D)
     on = PDL_ATTENTION and pdl()
     launch = {"launch_pdl": True} if on else {}
-    split_launch = dict(launch, maxnreg=FP8_MAXNREG) if fp8_launch and FP8_MAXNREG else launch
     _decode_split_kernel[(B, rows, S)](
         q, k_cache, v_cache, table, lengths, mid_o, mid_lse, out,
         token_scores if token_scores is not None else out, scale * 1.4426950408889634,
@@ -369,7 +368,7 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         BLOCK_H=max(16, pow2(QG)), BLOCK_N=block_n,
         UPCAST=upcast, DOT_PREC=dot_precision(q.dtype), DIRECT=direct, TOKEN_SCORES=token_scores is not None,
         SCORE_ITERS=score_iters, SCALED=scaled, F16=f16, V_WORDS=v_words, K_WORDS=k_words, V_ASM=asm, PDL=on,
-        num_warps=SCORES_NUM_WARPS if token_scores is not None else NUM_WARPS, num_stages=stages, **split_launch)
+        num_warps=SCORES_NUM_WARPS if token_scores is not None else NUM_WARPS, num_stages=stages, **launch)
     if direct:
         return out
     _decode_merge_kernel[(B, Hq)](
