@@ -64,17 +64,19 @@ FP8_NUM_STAGES = 2
 # Its program needs 168 registers (Triton 3.6, sm_90), so 3 fit an SM, not 4: PROGRAMS_PER_SM's 4 made 1.3
 # waves (512 programs on 396 slots at 128K x 4). 6 makes two full waves: one layer at 128K x 4 on an H200,
 # 477.3 -> 387.7 us (bf16 cache 495.3 us); the engine's 128K x 4 decode 222.66 -> 242.27 tok/s (auto 206.33).
+# 3 an SM times the same on both cards (H200 388.4, H100 402.0 against 403.2 us).
 FP8_PROGRAMS_PER_SM = 6
 # (A register cap of 128, so that 4 fit, spilled and was slower at every split count: not kept.)
 # V is p @ v's second operand, whose contraction runs over tokens: read from shared memory as e4m3, each
 # thread gathers 4 tokens' bytes of one column one byte at a time (128 LDS.U8 a 128-token block in the
-# SASS, Triton 3.6, sm_90), our suspect for why FP8 reads at 2.9 TB/s where bf16 reads at 4.3. Read as
-# int32 words and widened in registers, the fp16 tile takes the path a bf16 V takes (ldmatrix.trans).
-# Off until it has run on a GPU (its speed and the GPU tests; the CPU tests cover its interpreter path):
-# SPARSEVLLM_FP8_V_WORDS=1 turns it on.
+# SASS, Triton 3.6, sm_90). Read as int32 words and widened in registers (FP8_V_WORDS), the fp16 tile
+# takes the path a bf16 V takes (ldmatrix.trans). It passes the GPU tests but measured slower (H100, one
+# layer at 128K x 4: bytes 402.0 us at 3 programs an SM, V words 490.5 at its best, V and K words 426.9;
+# docs/performance.md, 2026-12-07 22:55), so it stays off: SPARSEVLLM_FP8_V_WORDS=1 turns it on for
+# another card (`bench_kernels.py --sweep-fp8` decides).
 FP8_V_WORDS = os.environ.get("SPARSEVLLM_FP8_V_WORDS", "0") == "1"
-# K's operand reads 8 bytes at a time as e4m3 already; words for K too are a probe (fewer registers, 150
-# against 194 at BLOCK_N 128, so 3 programs fit an SM), off until measured.
+# K's operand reads 8 bytes at a time as e4m3 already; words for K too need fewer registers (150 against
+# 194 at BLOCK_N 128, so 3 programs fit an SM) but were no faster than bytes either (above).
 FP8_K_WORDS = os.environ.get("SPARSEVLLM_FP8_K_WORDS", "0") == "1"
 
 LN2 = 0.6931471805599453   # log-sum-exps leave the kernels in log2 units
