@@ -53,6 +53,29 @@ def test_graph_logits_equal_eager_logits(tiny_model):
         torch.testing.assert_close(x, y, atol=1e-4, rtol=1e-4)
 
 
+def test_the_collector_is_off_while_graphs_capture(tiny_model, monkeypatch):
+    """An engine's parts form cycles, so a dropped LLM's graphs wait for the collector; a collection
+    inside the next engine's capture destroyed them mid-capture and invalidated it (H100, the
+    mixed-methods test). So every capture runs with the collector off, and it is back on after."""
+    import gc
+    from sparsevllm.engine.model_runner import DecodeGraphs
+    seen, real = [], DecodeGraphs._capture
+
+    def capture(self, b, variant):
+        seen.append(gc.isenabled())
+        real(self, b, variant)
+    monkeypatch.setattr(DecodeGraphs, "_capture", capture)
+    path = tiny_model("llama")
+    ps = prompts(2)
+    first = LLM(path, device="cuda", dtype="float32", max_num_seqs=4)
+    want = [o.outputs[0].token_ids for o in first.generate(ps, GREEDY, use_tqdm=False)]
+    del first   # its graphs now wait for the collector
+    second = LLM(path, device="cuda", dtype="float32", max_num_seqs=4)
+    assert second.execution_mode == "cuda_graph" and gc.isenabled()
+    assert seen and not any(seen)
+    assert [o.outputs[0].token_ids for o in second.generate(ps, GREEDY, use_tqdm=False)] == want
+
+
 def test_bf16_graphs_with_chunked_prefill_and_prefix_cache(tiny_model):
     path = tiny_model("llama")
     llm = LLM(path, device="cuda", chunk_prefill_size=32, max_num_batched_tokens=64)

@@ -315,9 +315,21 @@ class DecodeGraphs:
         self.graphs, self.outputs = {}, {}   # keyed (bucket, variant)
         self.pool = None
         variants = cm.graph_variants()
-        for b in reversed(self.buckets):  # largest first, so smaller graphs reuse its memory pool
-            for variant in variants:
-                self._capture(b, variant)
+        # A collection during a capture can free an earlier engine's graphs (an engine's parts form
+        # cycles, so only the collector frees them), and destroying a graph is not allowed while a
+        # stream captures: it invalidated this capture on the GPU (H100, 2026-12-08, the mixed-methods
+        # test building one LLM after another). torch 2.11 no longer collects on entering a capture,
+        # so collect here, once, and keep the collector off until the buckets are captured.
+        gc.collect()
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            for b in reversed(self.buckets):  # largest first, so smaller graphs reuse its memory pool
+                for variant in variants:
+                    self._capture(b, variant)
+        finally:
+            if collecting:
+                gc.enable()
         logger.info("captured decode CUDA graphs for batch sizes %s%s", self.buckets,
                     f", variants {variants}" if len(variants) > 1 else "")
 
