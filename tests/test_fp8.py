@@ -140,11 +140,14 @@ def test_rope_store_fp8_quantizes_each_token_and_head(dtype, bounds, poison):
 
 
 @gpu
+@pytest.mark.parametrize("warps", [4, 8])
 @pytest.mark.parametrize("path", ["f16", "words", "v_words"])
-def test_fp8_kernels_match_references_on_gpu(path, monkeypatch):
-    """"words" and "v_words" run the inline-PTX widening the interpreter cannot."""
+def test_fp8_kernels_match_references_on_gpu(path, warps, monkeypatch):
+    """"words" and "v_words" run the inline-PTX widening the interpreter cannot; 8 warps is the other
+    launch `bench_kernels.py --sweep-fp8` tries."""
     fp8_path(monkeypatch, "words" if path == "v_words" else path)
     monkeypatch.setattr(da, "FP8_K_WORDS", path == "words")
+    monkeypatch.setattr(da, "FP8_NUM_WARPS", warps)
     g = torch.Generator().manual_seed(0)
     dt = torch.bfloat16
     q, kc, vc, table, lengths = decode_case(g, 4, 32, 8, 128, 16, 1, 512, dt, "cuda")

@@ -13,12 +13,13 @@ Decoder layers' GEMMs with the RMSNorms as launches against the norms in the GEM
 DeltaKV's up(z) of the selected latents: gather + F.linear against the gathering Triton GEMM.
 --sweep first tries launch settings of the decode and prefill kernels and uses the best;
 --sweep-splits times several split-count heuristics.
---sweep-fp8 times only the FP8 decode paths (V and K read as bytes or as int32 words) and split counts
+--sweep-fp8 times only the FP8 decode paths (V and K read as bytes or as int32 words, 4 or 8 warps) and split counts
 at 4 x 64K / 128K tokens against the bf16 cache, then stops.
 `--smoke` runs tiny shapes on whatever device there is (under TRITON_INTERPRET on CPU) to check the
 script itself.
 """
 import argparse
+import itertools
 import json
 import os
 import platform
@@ -460,7 +461,7 @@ def sweep_fp8(results, gen, contexts):
     """Graph-timed decode over an FP8 cache (4 requests, distinct pages, P = 16, G = 1) for each path:
     V's and K's e4m3 tiles read as bytes or as int32 words (FP8_V_WORDS, FP8_K_WORDS) at several
     FP8_PROGRAMS_PER_SM; the bf16 cache at its defaults beside them. GB/s counts the FP8 bytes and scales."""
-    keep = da.FP8_V_WORDS, da.FP8_K_WORDS, da.FP8_PROGRAMS_PER_SM
+    keep = da.FP8_V_WORDS, da.FP8_K_WORDS, da.FP8_PROGRAMS_PER_SM, da.FP8_NUM_WARPS
     for ctx in contexts:
         k_cache = torch.randn(4 * ctx, HKV, D, device=DEV, dtype=torch.bfloat16, generator=gen)
         v_cache = torch.randn_like(k_cache)
@@ -473,18 +474,21 @@ def sweep_fp8(results, gen, contexts):
         (k8, ks), (v8, vs) = quantize_ref(k_cache), quantize_ref(v_cache)   # as the engine stores them
         del k_cache, v_cache
         nbytes = 2 * (k8.numel() + ks.numel() * 4)
-        for v_words, k_words in ((False, False), (True, False), (True, True)):
-            for pps in (2, 3, 4, 6):
-                da.FP8_V_WORDS, da.FP8_K_WORDS, da.FP8_PROGRAMS_PER_SM = v_words, k_words, pps
+        # 8 warps fit 1 program an SM (2 with V words: 118 registers), so fewer programs an SM there
+        for (v_words, k_words), warps in itertools.product(((False, False), (True, False), (True, True)), (4, 8)):
+            for pps in ((2, 3, 4, 6) if warps == 4 else (1, 2, 3, 4)):
+                da.FP8_V_WORDS, da.FP8_K_WORDS, da.FP8_PROGRAMS_PER_SM, da.FP8_NUM_WARPS = (
+                    v_words, k_words, pps, warps)
                 ms = bench_graph_ms(lambda: da.decode_attention(q, k8, v8, table, lengths, 16, D ** -0.5,
                                                                 k_scale=ks, v_scale=vs))
                 results.append({"context": ctx, "cache": "fp8", "v_words": v_words, "k_words": k_words,
-                                "programs_per_sm": pps, "us": round(ms * 1e3, 1), "gbps": round(nbytes / ms / 1e6)})
+                                "num_warps": warps, "programs_per_sm": pps, "us": round(ms * 1e3, 1),
+                                "gbps": round(nbytes / ms / 1e6)})
                 print("fp8 sweep", results[-1], flush=True)
         del k8, v8, ks, vs, table
         if DEV == "cuda":
             torch.cuda.empty_cache()
-    da.FP8_V_WORDS, da.FP8_K_WORDS, da.FP8_PROGRAMS_PER_SM = keep
+    da.FP8_V_WORDS, da.FP8_K_WORDS, da.FP8_PROGRAMS_PER_SM, da.FP8_NUM_WARPS = keep
 
 
 def main():

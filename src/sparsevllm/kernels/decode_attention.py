@@ -65,7 +65,12 @@ FP8_NUM_STAGES = 2
 # waves (512 programs on 396 slots at 128K x 4). 6 makes two full waves: one layer at 128K x 4 on an H200,
 # 477.3 -> 387.7 us (bf16 cache 495.3 us); the engine's 128K x 4 decode 222.66 -> 242.27 tok/s (auto 206.33).
 # 3 an SM times the same on both cards (H200 388.4, H100 402.0 against 403.2 us).
-FP8_PROGRAMS_PER_SM = 6
+FP8_PROGRAMS_PER_SM = int(os.environ.get("SPARSEVLLM_FP8_PROGRAMS_PER_SM", "6"))
+# 4 warps: 168 registers, 3 programs (12 warps) an SM, 1,380 loop instructions a 128-token block. Not yet
+# timed on a GPU: 8 warps (154 registers, 1 program an SM) and, with V_WORDS, 8 warps at 118 registers,
+# 2 programs (16 warps) an SM (ptxas of Triton 3.6 for sm_90, compiled on the CPU, 2026-12-08);
+# SPARSEVLLM_FP8_NUM_WARPS and `bench_kernels.py --sweep-fp8` try them.
+FP8_NUM_WARPS = int(os.environ.get("SPARSEVLLM_FP8_NUM_WARPS", "4"))
 # (A register cap of 128, so that 4 fit, spilled and was slower at every split count: not kept.)
 # V is p @ v's second operand, whose contraction runs over tokens: read from shared memory as e4m3, each
 # thread gathers 4 tokens' bytes of one column one byte at a time (128 LDS.U8 a 128-token block in the
@@ -370,7 +375,8 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         BLOCK_H=max(16, pow2(QG)), BLOCK_N=block_n,
         UPCAST=upcast, DOT_PREC=dot_precision(q.dtype), DIRECT=direct, TOKEN_SCORES=token_scores is not None,
         SCORE_ITERS=score_iters, SCALED=scaled, F16=f16, V_WORDS=v_words, K_WORDS=k_words, V_ASM=asm, PDL=on,
-        num_warps=SCORES_NUM_WARPS if token_scores is not None else NUM_WARPS, num_stages=stages, **launch)
+        num_warps=SCORES_NUM_WARPS if token_scores is not None else FP8_NUM_WARPS if fp8_launch else NUM_WARPS,
+        num_stages=stages, **launch)
     if direct:
         return out
     _decode_merge_kernel[(B, Hq)](
