@@ -1,10 +1,13 @@
 """The engine on a GPU: fp32 output equals the CPU engine's; CUDA-graph replay equals eager for
 every batch-size bucket; bf16 with graphs runs and leaves the allocator idle."""
+import gc
+
 import pytest
 import torch
 
 from method_knobs import METHOD_KNOBS
 from sparsevllm import LLM, SamplingParams
+from sparsevllm.engine.model_runner import DecodeGraphs
 
 pytestmark = pytest.mark.gpu
 
@@ -57,8 +60,6 @@ def test_the_collector_is_off_while_graphs_capture(tiny_model, monkeypatch):
     """An engine's parts form cycles, so a dropped LLM's graphs wait for the collector; a collection
     inside the next engine's capture destroyed them mid-capture and invalidated it (H100, the
     mixed-methods test). So every capture runs with the collector off, and it is back on after."""
-    import gc
-    from sparsevllm.engine.model_runner import DecodeGraphs
     seen, real = [], DecodeGraphs._capture
 
     def capture(self, b, variant):
