@@ -12,6 +12,9 @@ Candidates: tensor (one scale 1.0, vLLM's default without calibrated scales), la
 static scale per layer and KV head: amax over the whole sample / 448, the best a calibrated static
 scale can do), token_head (a scale per stored token and KV head: amax over its D channels / 448);
 bf16 (K and V rounded to bfloat16, no FP8) is the yardstick: the rounding a bf16 cache already has.
+Which half drifts: k_only / v_only quantize one of K and V per token and head and round the other to
+bf16; k_channel gives K a static scale per layer, KV head and channel (calibrated like layer_head; keys'
+outliers sit in fixed channels) and V its scale per token and head.
 
 With --methods, the engine's real kv_cache_dtype="fp8" against "auto" instead, per method (each at
 the knobs given as JSON in --hyper_params), on the same samples:
@@ -32,13 +35,14 @@ FP8_MAX = 448.0
 
 
 def fake_quant(x: torch.Tensor, mode: str, layer_amax: torch.Tensor | None) -> torch.Tensor:
-    """x: [T, H, D] -> x rounded through float8_e4m3fn with the mode's scales, in x's dtype."""
+    """x: [T, H, D] -> x rounded through float8_e4m3fn with the mode's scales, in x's dtype.
+    layer_amax: [H] (layer_head) or [H, D] (channel)."""
     if mode == "bf16":
         return x.to(torch.bfloat16).to(x.dtype)
     if mode == "tensor":
         scale = torch.ones((), dtype=torch.float32)
-    elif mode == "layer_head":
-        scale = (layer_amax / FP8_MAX).clamp_min(1e-12).view(1, -1, 1)
+    elif mode in ("layer_head", "channel"):
+        scale = (layer_amax / FP8_MAX).clamp_min(1e-12).view(1, *layer_amax.shape, *(() if mode == "channel" else (1,)))
     else:
         scale = (x.float().abs().amax(-1, keepdim=True) / FP8_MAX).clamp_min(1e-12)
     return ((x.float() / scale).to(torch.float8_e4m3fn).float() * scale).to(x.dtype)
@@ -107,25 +111,35 @@ def main():
         for name, x in (("k", k2), ("v", v)):
             m = x.float().abs().amax(dim=(0, 2))
             amax[(lid, name)] = torch.maximum(amax.get((lid, name), m), m)
+        m = k2.float().abs().amax(dim=0)   # [H, D]: per channel, for k_channel
+        amax[(lid, "kc")] = torch.maximum(amax.get((lid, "kc"), m), m)
         return q2, k2
 
-    results = {}
+    def halves(mode):
+        """(K's mode, V's mode) of a candidate"""
+        return {"k_only": ("token_head", "bf16"), "v_only": ("bf16", "token_head"),
+                "k_channel": ("channel", "token_head")}.get(mode, (mode, mode))
+
+    results, calibrating = {}, False
     for mode in a.modes.split(","):
         def store(self, layer_id, q, k, v, cos_sin_cache, step, mode=mode):
             k_cache, v_cache = self.pool.layer(layer_id)
-            if mode == "layer_head" and (layer_id, "k") not in amax:
+            if calibrating:   # every store of the calibration pass is recorded and kept exact
                 record.layer = layer_id
                 return record(q, k, v, step.positions, cos_sin_cache, k_cache, v_cache, step.slot_mapping)
             q2, k2 = real(q, k, v, step.positions, cos_sin_cache, k_cache, v_cache, step.slot_mapping)
             keep = step.slot_mapping >= 0
             slots = step.slot_mapping[keep].long()
-            k_cache[slots] = fake_quant(k2[keep], mode, amax.get((layer_id, "k")))
-            v_cache[slots] = fake_quant(v[keep], mode, amax.get((layer_id, "v")))
+            k_mode, v_mode = halves(mode)
+            k_cache[slots] = fake_quant(k2[keep], k_mode, amax.get((layer_id, "kc" if k_mode == "channel" else "k")))
+            v_cache[slots] = fake_quant(v[keep], v_mode, amax.get((layer_id, "v")))
             return q2, k2
-        if mode == "layer_head":   # a calibration pass over the same samples fills amax
+        if mode in ("layer_head", "k_channel"):   # a calibration pass over the same samples fills amax
             amax.clear()
+            calibrating = True
             base.CacheManager.store_kv = store
             llm.teacher_forced_logprobs(prompts, conts, use_tqdm=False)
+        calibrating = False
         base.CacheManager.store_kv = store
         got = llm.teacher_forced_logprobs(prompts, conts, use_tqdm=False)
         results[mode] = score(ref, got, conts)
