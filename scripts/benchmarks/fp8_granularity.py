@@ -14,7 +14,9 @@ scale can do), token_head (a scale per stored token and KV head: amax over its D
 bf16 (K and V rounded to bfloat16, no FP8) is the yardstick: the rounding a bf16 cache already has.
 Which half drifts: k_only / v_only quantize one of K and V per token and head and round the other to
 bf16; k_channel gives K a static scale per layer, KV head and channel (calibrated like layer_head; keys'
-outliers sit in fixed channels) and V its scale per token and head.
+outliers sit in fixed channels) and V its scale per token and head; k_smooth divides each K channel by
+the square root of its calibrated amax before the scale per token and head and multiplies it back after
+(a factor q could absorb), so outlier channels no longer set every token's scale.
 
 With --methods, the engine's real kv_cache_dtype="fp8" against "auto" instead, per method (each at
 the knobs given as JSON in --hyper_params), on the same samples:
@@ -41,6 +43,11 @@ def fake_quant(x: torch.Tensor, mode: str, layer_amax: torch.Tensor | None) -> t
         return x.to(torch.bfloat16).to(x.dtype)
     if mode == "tensor":
         scale = torch.ones((), dtype=torch.float32)
+    elif mode == "smooth":   # divide out sqrt of each channel's amax, scale per token, multiply back
+        smooth = layer_amax.clamp_min(1e-6).sqrt().view(1, *layer_amax.shape)
+        y = x.float() / smooth
+        scale = (y.abs().amax(-1, keepdim=True) / FP8_MAX).clamp_min(1e-12)
+        return ((y / scale).to(torch.float8_e4m3fn).float() * scale * smooth).to(x.dtype)
     elif mode in ("layer_head", "channel"):
         scale = (layer_amax / FP8_MAX).clamp_min(1e-12).view(1, *layer_amax.shape, *(() if mode == "channel" else (1,)))
     else:
@@ -118,7 +125,7 @@ def main():
     def halves(mode):
         """(K's mode, V's mode) of a candidate"""
         return {"k_only": ("token_head", "bf16"), "v_only": ("bf16", "token_head"),
-                "k_channel": ("channel", "token_head")}.get(mode, (mode, mode))
+                "k_channel": ("channel", "token_head"), "k_smooth": ("smooth", "token_head")}.get(mode, (mode, mode))
 
     results, calibrating = {}, False
     for mode in a.modes.split(","):
@@ -131,10 +138,11 @@ def main():
             keep = step.slot_mapping >= 0
             slots = step.slot_mapping[keep].long()
             k_mode, v_mode = halves(mode)
-            k_cache[slots] = fake_quant(k2[keep], k_mode, amax.get((layer_id, "kc" if k_mode == "channel" else "k")))
+            k_amax = amax.get((layer_id, "kc" if k_mode in ("channel", "smooth") else "k"))
+            k_cache[slots] = fake_quant(k2[keep], k_mode, k_amax)
             v_cache[slots] = fake_quant(v[keep], v_mode, amax.get((layer_id, "v")))
             return q2, k2
-        if mode in ("layer_head", "k_channel"):   # a calibration pass over the same samples fills amax
+        if mode in ("layer_head", "k_channel", "k_smooth"):   # a calibration pass over the same samples fills amax
             amax.clear()
             calibrating = True
             base.CacheManager.store_kv = store
