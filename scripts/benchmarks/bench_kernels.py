@@ -460,7 +460,8 @@ def varlen_backend(q):
 def sweep_fp8(results, gen, contexts):
     """Graph-timed decode over an FP8 cache (4 requests, distinct pages, P = 16, G = 1) for each path:
     V's and K's e4m3 tiles read as bytes or as int32 words (FP8_V_WORDS, FP8_K_WORDS), at 4 or 8 warps
-    (FP8_NUM_WARPS) and several FP8_PROGRAMS_PER_SM; the bf16 cache at its defaults beside them. GB/s counts the FP8 bytes and scales."""
+    (FP8_NUM_WARPS) and several FP8_PROGRAMS_PER_SM; the bf16 cache at its defaults beside them. GB/s
+    counts the FP8 bytes and scales."""
     keep = da.FP8_V_WORDS, da.FP8_K_WORDS, da.FP8_PROGRAMS_PER_SM, da.FP8_NUM_WARPS
     for ctx in contexts:
         k_cache = torch.randn(4 * ctx, HKV, D, device=DEV, dtype=torch.bfloat16, generator=gen)

@@ -49,7 +49,8 @@ def fake_quant(x: torch.Tensor, mode: str, layer_amax: torch.Tensor | None) -> t
         scale = (y.abs().amax(-1, keepdim=True) / FP8_MAX).clamp_min(1e-12)
         return ((y / scale).to(torch.float8_e4m3fn).float() * scale * smooth).to(x.dtype)
     elif mode in ("layer_head", "channel"):
-        scale = (layer_amax / FP8_MAX).clamp_min(1e-12).view(1, *layer_amax.shape, *(() if mode == "channel" else (1,)))
+        shape = layer_amax.shape if mode == "channel" else (*layer_amax.shape, 1)   # [H, D] or [H, 1]
+        scale = (layer_amax / FP8_MAX).clamp_min(1e-12).view(1, *shape)
     else:
         scale = (x.float().abs().amax(-1, keepdim=True) / FP8_MAX).clamp_min(1e-12)
     return ((x.float() / scale).to(torch.float8_e4m3fn).float() * scale).to(x.dtype)
@@ -118,7 +119,7 @@ def main():
         for name, x in (("k", k2), ("v", v)):
             m = x.float().abs().amax(dim=(0, 2))
             amax[(lid, name)] = torch.maximum(amax.get((lid, name), m), m)
-        m = k2.float().abs().amax(dim=0)   # [H, D]: per channel, for k_channel
+        m = k2.float().abs().amax(dim=0)   # [H, D]: per channel, for k_channel and k_smooth
         amax[(lid, "kc")] = torch.maximum(amax.get((lid, "kc"), m), m)
         return q2, k2
 
@@ -142,7 +143,7 @@ def main():
             k_cache[slots] = fake_quant(k2[keep], k_mode, k_amax)
             v_cache[slots] = fake_quant(v[keep], v_mode, amax.get((layer_id, "v")))
             return q2, k2
-        if mode in ("layer_head", "k_channel", "k_smooth"):   # a calibration pass over the same samples fills amax
+        if mode in ("layer_head", "k_channel", "k_smooth"):   # a calibration pass over the samples fills amax
             amax.clear()
             calibrating = True
             base.CacheManager.store_kv = store
