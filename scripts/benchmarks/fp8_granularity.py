@@ -9,8 +9,8 @@ the teacher-forced continuation, plus mean KL(auto || fp8) and top-1 agreement.
     PYTHONPATH=src python scripts/benchmarks/fp8_granularity.py --lengths 1024,2048 --samples 4
 
 Candidates: tensor (one scale 1.0, vLLM's default without calibrated scales), layer_head (one
-static scale per layer and KV head: amax over the whole sample / 448, the best a calibrated static
-scale can do), token_head (a scale per stored token and KV head: amax over its D channels / 448);
+static scale per layer and KV head: amax over every store of a calibration pass on the same samples
+/ 448), token_head (a scale per stored token and KV head: amax over its D channels / 448);
 bf16 (K and V rounded to bfloat16, no FP8) is the yardstick: the rounding a bf16 cache already has.
 Which half drifts: k_only / v_only quantize one of K and V per token and head and round the other to
 bf16; k_channel gives K a static scale per layer, KV head and channel (calibrated like layer_head; keys'
@@ -34,6 +34,9 @@ from sparsevllm import LLM
 from sparsevllm.regression.fidelity import fidelity_sample
 
 FP8_MAX = 448.0
+# (K's mode, V's mode) of the candidates that treat them differently
+HALVES = {"k_only": ("token_head", "bf16"), "v_only": ("bf16", "token_head"),
+          "k_channel": ("channel", "token_head"), "k_smooth": ("smooth", "token_head")}
 
 
 def fake_quant(x: torch.Tensor, mode: str, layer_amax: torch.Tensor | None) -> torch.Tensor:
@@ -123,11 +126,6 @@ def main():
         amax[(lid, "kc")] = torch.maximum(amax.get((lid, "kc"), m), m)
         return q2, k2
 
-    def halves(mode):
-        """(K's mode, V's mode) of a candidate"""
-        return {"k_only": ("token_head", "bf16"), "v_only": ("bf16", "token_head"),
-                "k_channel": ("channel", "token_head"), "k_smooth": ("smooth", "token_head")}.get(mode, (mode, mode))
-
     results, calibrating = {}, False
     for mode in a.modes.split(","):
         def store(self, layer_id, q, k, v, cos_sin_cache, step, mode=mode):
@@ -138,7 +136,7 @@ def main():
             q2, k2 = real(q, k, v, step.positions, cos_sin_cache, k_cache, v_cache, step.slot_mapping)
             keep = step.slot_mapping >= 0
             slots = step.slot_mapping[keep].long()
-            k_mode, v_mode = halves(mode)
+            k_mode, v_mode = HALVES.get(mode, (mode, mode))
             k_amax = amax.get((layer_id, "kc" if k_mode in ("channel", "smooth") else "k"))
             k_cache[slots] = fake_quant(k2[keep], k_mode, k_amax)
             v_cache[slots] = fake_quant(v[keep], v_mode, amax.get((layer_id, "v")))

@@ -333,7 +333,8 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     f16 = k_scale is not None and FP8_F16 and q.dtype != torch.float32
     fp8_launch = f16 and token_scores is None
     S = num_splits(B, rows, N, P, q.device, FP8_PROGRAMS_PER_SM if fp8_launch else None)
-    block_n, stages = (FP8_BLOCK_N, FP8_NUM_STAGES) if fp8_launch else (BLOCK_N, NUM_STAGES)
+    block_n, stages, warps = ((FP8_BLOCK_N, FP8_NUM_STAGES, FP8_NUM_WARPS) if fp8_launch
+                              else (BLOCK_N, NUM_STAGES, NUM_WARPS))
     score_iters = 1
     if token_scores is not None:   # enough splits that a split's blocks fit the staged scores
         S = max(S, -(-(N * P) // (MAX_SCORE_ITERS * BLOCK_N)))
@@ -375,8 +376,7 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         BLOCK_H=max(16, pow2(QG)), BLOCK_N=block_n,
         UPCAST=upcast, DOT_PREC=dot_precision(q.dtype), DIRECT=direct, TOKEN_SCORES=token_scores is not None,
         SCORE_ITERS=score_iters, SCALED=scaled, F16=f16, V_WORDS=v_words, K_WORDS=k_words, V_ASM=asm, PDL=on,
-        num_warps=SCORES_NUM_WARPS if token_scores is not None else FP8_NUM_WARPS if fp8_launch else NUM_WARPS,
-        num_stages=stages, **launch)
+        num_warps=SCORES_NUM_WARPS if token_scores is not None else warps, num_stages=stages, **launch)
     if direct:
         return out
     _decode_merge_kernel[(B, Hq)](
